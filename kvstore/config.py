@@ -1,0 +1,246 @@
+"""Store configuration: one frozen dataclass per subsystem, read once, passed down as plain values.
+
+Where things live (``MASS_HOME``, default ``~/.mass``)::
+
+    $MASS_HOME/stores/<store>.toml     the store config (written by ``mass-ctl kvcache create``)
+    $MASS_HOME/run/<store>/            runtime state: <server>.sock, <server>.lock, <server>.pid
+
+The superblock on each device is the authority on layout (page size, areas);
+the TOML file names the devices and servers and holds the tunables below.
+This module is the only place that reads environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import sys
+import uuid as uuidlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from .errors import StoreNotFound
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+#: Store and server names: short, safe in file names and shm segment names.
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+MIN_PAGE_SIZE = 4096
+MAX_PAGE_SIZE = 64 << 20
+MAX_SERVERS = 48
+
+
+def mass_home() -> Path:
+    """The MASS_HOME directory (env ``MASS_HOME``, default ``~/.mass``)."""
+    return Path(os.environ.get("MASS_HOME") or Path.home() / ".mass")
+
+
+def check_name(name: str, what: str) -> str:
+    """Validate a store or server name; raise ``ValueError`` naming ``what``."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(
+            f"{what} name {name!r} is invalid: use 1-32 characters of a-z, 0-9, '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def check_page_size(page_size: int) -> int:
+    """Validate a page size: a multiple of 4 KiB between 4 KiB and 64 MiB."""
+    if page_size % 4096 or not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
+        raise ValueError(
+            f"page_size must be a multiple of 4096 bytes between {MIN_PAGE_SIZE} and "
+            f"{MAX_PAGE_SIZE}, got {page_size}"
+        )
+    return page_size
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One GPU server allowed on the store."""
+
+    name: str
+    """Server name, unique in the store (e.g. the host name)."""
+    sync: str = ""
+    """``HOST:PORT`` of its peer-sync endpoint (used when several servers share the store)."""
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "server")
+        if self.sync and not re.match(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$", self.sync):
+            raise ValueError(f"server {self.name}: sync address {self.sync!r} is not HOST:PORT")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Per-device I/O worker tunables."""
+
+    max_inflight_writes: int = 4
+    """Writes outstanding per device at once. Small on purpose: reads queue behind
+    whatever writes are already in the device, so a deep write queue is read latency."""
+    read_queue_depth: int = 32
+    """Reads outstanding per device at once; deeper than writes so reads get the device."""
+    io_timeout_s: float = 30.0
+    """Seconds an I/O may stay outstanding before the supervisor declares the worker
+    stuck, kills it, fails its requests as misses and restarts it."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_inflight_writes <= 256:
+            raise ValueError(f"max_inflight_writes must be in [1, 256], got {self.max_inflight_writes}")
+        if not 1 <= self.read_queue_depth <= 256:
+            raise ValueError(f"read_queue_depth must be in [1, 256], got {self.read_queue_depth}")
+        if not self.io_timeout_s > 0:
+            raise ValueError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Supervisor tunables: memory, clients, batches, reuse."""
+
+    client_buffers: int = 64
+    """Page buffers leased to each client connection; also the largest batch (keys per call)."""
+    max_clients: int = 16
+    """Client connections at once; the shm arena holds max_clients x client_buffers page buffers."""
+    retire_grace_s: float = 0.0
+    """Seconds a retired slot waits before it is overwritten, for readers on other servers.
+    0 is safe for a single server (local pins are always drained first)."""
+    request_timeout_s: float = 60.0
+    """Longest a client waits for one call before raising ``Timeout``."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.client_buffers <= 4096:
+            raise ValueError(f"client_buffers must be in [1, 4096], got {self.client_buffers}")
+        if not 1 <= self.max_clients <= 1024:
+            raise ValueError(f"max_clients must be in [1, 1024], got {self.max_clients}")
+        if self.retire_grace_s < 0:
+            raise ValueError(f"retire_grace_s must be >= 0, got {self.retire_grace_s}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """A store: its identity, devices, servers and subsystem settings."""
+
+    name: str
+    """Store name (``[a-z0-9][a-z0-9_-]{0,31}``)."""
+    uuid: str
+    """Store UUID, also written in every superblock and slot header."""
+    page_size: int
+    """Bytes per page payload (multiple of 4096)."""
+    devices: tuple[str, ...]
+    """Device paths in device-index order (block devices or plain files)."""
+    servers: tuple[ServerConfig, ...]
+    """Allowed servers in area-index order."""
+    salt: str = field(default_factory=lambda: secrets.token_hex(16))
+    """Hex salt mixed into every key digest (BLAKE2b key), so digests are not guessable."""
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "store")
+        uuidlib.UUID(self.uuid)
+        check_page_size(self.page_size)
+        if not self.devices:
+            raise ValueError("a store needs at least one device (--device PATH)")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError("the same device is listed twice")
+        if not self.servers:
+            raise ValueError("a store needs at least one server (--server NAME)")
+        if len(self.servers) > MAX_SERVERS:
+            raise ValueError(f"at most {MAX_SERVERS} servers per store, got {len(self.servers)}")
+        names = [s.name for s in self.servers]
+        if len(set(names)) != len(names):
+            raise ValueError("a server name is listed twice")
+        bytes.fromhex(self.salt)
+
+    @property
+    def uuid_bytes(self) -> bytes:
+        """The store UUID as 16 bytes."""
+        return uuidlib.UUID(self.uuid).bytes
+
+    def server_index(self, name: str) -> int:
+        """Area index of server ``name``; raises ``NotAllowed`` if it is not in the store."""
+        from .errors import NotAllowed
+
+        for i, s in enumerate(self.servers):
+            if s.name == name:
+                return i
+        allowed = ", ".join(s.name for s in self.servers)
+        raise NotAllowed(f"server {name!r} is not allowed on store {self.name!r} (allowed: {allowed})")
+
+    def to_toml(self) -> str:
+        """Serialize to the TOML text stored under MASS_HOME."""
+        doc: dict[str, Any] = {
+            "store": {
+                "name": self.name,
+                "uuid": self.uuid,
+                "page_size": self.page_size,
+                "devices": list(self.devices),
+                "salt": self.salt,
+            },
+            "servers": [asdict(s) for s in self.servers],
+            "worker": asdict(self.worker),
+            "service": asdict(self.service),
+        }
+        return tomli_w.dumps(doc)
+
+    @classmethod
+    def from_toml(cls, text: str) -> StoreConfig:
+        """Parse a store config; raises ``ValueError`` on a malformed file."""
+        try:
+            doc = tomllib.loads(text)
+            st = doc["store"]
+            return cls(
+                name=st["name"],
+                uuid=st["uuid"],
+                page_size=int(st["page_size"]),
+                devices=tuple(st["devices"]),
+                salt=st["salt"],
+                servers=tuple(ServerConfig(**s) for s in doc["servers"]),
+                worker=WorkerConfig(**doc.get("worker", {})),
+                service=ServiceConfig(**doc.get("service", {})),
+            )
+        except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"malformed store config: {e}") from None
+
+
+def store_path(name: str, home: Path | None = None) -> Path:
+    """Path of store ``name``'s config file."""
+    return (home or mass_home()) / "stores" / f"{check_name(name, 'store')}.toml"
+
+
+def run_dir(name: str, home: Path | None = None) -> Path:
+    """Directory holding store ``name``'s sockets, locks and pid files (owner-only)."""
+    return (home or mass_home()) / "run" / check_name(name, "store")
+
+
+def load_store(name: str, home: Path | None = None) -> StoreConfig:
+    """Load store ``name`` from MASS_HOME; raises ``StoreNotFound`` if it has no config."""
+    p = store_path(name, home)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise StoreNotFound(
+            f"store {name!r} not found: no {p} (create it with 'mass-ctl kvcache create', "
+            "or set MASS_HOME)"
+        ) from None
+    return StoreConfig.from_toml(text)
+
+
+def save_store(cfg: StoreConfig, home: Path | None = None) -> Path:
+    """Write ``cfg`` atomically (owner-only) under MASS_HOME and return its path."""
+    p = store_path(cfg.name, home)
+    p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = p.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(cfg.to_toml())
+    os.replace(tmp, p)
+    return p

@@ -1,0 +1,154 @@
+"""Devices: size, format (write superblocks), open and verify against a store.
+
+A device is a path: an NVMe namespace, a loop device, or a plain file. All
+on-device I/O here uses O_DIRECT with 4 KiB-aligned anonymous-mmap buffers, the
+same way the I/O workers do, so what we read is what the device holds and
+never a stale page-cache copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+
+from ..errors import CorruptPage, DeviceMismatch
+from .superblock import (COPY_OFFSETS, SUPERBLOCK_SIZE, Area, Superblock, plan_areas)
+
+
+def device_size(path: str) -> int:
+    """Size in bytes of a block device or plain file.
+
+    Raises:
+        DeviceMismatch: the path does not exist or is neither a file nor a block device.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DeviceMismatch(f"device {path} does not exist") from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        raise DeviceMismatch(f"device {path} is neither a block device nor a regular file")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
+def open_direct(path: str, writable: bool) -> int:
+    """Open ``path`` with O_DIRECT; raises ``DeviceMismatch`` with the reason if that fails."""
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_DIRECT | os.O_CLOEXEC
+    try:
+        return os.open(path, flags)
+    except OSError as e:
+        raise DeviceMismatch(f"cannot open {path} with O_DIRECT: {e.strerror}") from None
+
+
+def _read_copies(fd: int) -> list[Superblock | CorruptPage]:
+    buf = mmap.mmap(-1, SUPERBLOCK_SIZE)
+    out: list[Superblock | CorruptPage] = []
+    try:
+        for off in COPY_OFFSETS:
+            n = os.preadv(fd, [buf], off)
+            try:
+                out.append(Superblock.decode(memoryview(buf)[:n]))
+            except CorruptPage as e:
+                out.append(e)
+    finally:
+        buf.close()
+    return out
+
+
+def read_superblock(path: str) -> Superblock:
+    """Read a device's superblock: the valid copy with the highest generation.
+
+    Raises:
+        DeviceMismatch: neither copy is a valid kvstore superblock.
+    """
+    fd = open_direct(path, writable=False)
+    try:
+        copies = _read_copies(fd)
+    finally:
+        os.close(fd)
+    valid = [c for c in copies if isinstance(c, Superblock)]
+    if not valid:
+        raise DeviceMismatch(f"device {path} is not formatted for kvstore ({copies[0]})")
+    return max(valid, key=lambda s: s.generation)
+
+
+def write_superblock(path: str, sb: Superblock) -> None:
+    """Write both copies of ``sb``, syncing between them (see superblock.py for why)."""
+    data = sb.encode()
+    buf = mmap.mmap(-1, SUPERBLOCK_SIZE)
+    buf[:] = data
+    fd = open_direct(path, writable=True)
+    try:
+        for off in COPY_OFFSETS:
+            if os.pwritev(fd, [buf], off) != SUPERBLOCK_SIZE:
+                raise OSError(f"short superblock write on {path}")
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: int,
+                  device_index: int, device_count: int, servers: Sequence[str],
+                  force: bool = False) -> Superblock:
+    """Format one device of a store: plan its areas and write the superblock.
+
+    Slot headers are not cleared: each carries the store UUID, device, area and
+    slot, so leftovers of another store (or an earlier format) never validate.
+
+    Raises:
+        DeviceMismatch: the device holds another store's superblock and ``force`` is false.
+        ValueError: the device is too small for one slot per server.
+    """
+    size = device_size(path)
+    try:
+        old = read_superblock(path)
+    except DeviceMismatch:
+        old = None
+    if old is not None and not force:
+        raise DeviceMismatch(
+            f"device {path} already belongs to store {old.store_name!r} "
+            f"(uuid {old.store_uuid.hex()}); pass --force to reformat it and lose its pages"
+        )
+    areas = plan_areas(size, page_size, list(servers))
+    sb = Superblock(store_uuid=store_uuid, store_name=store_name, generation=(old.generation + 1) if old else 1,
+                    page_size=page_size, device_size=size, device_index=device_index,
+                    device_count=device_count, areas=areas)
+    write_superblock(path, sb)
+    return sb
+
+
+def verify_device(path: str, *, store_uuid: bytes, page_size: int, device_index: int,
+                  device_count: int, servers: Sequence[str]) -> Superblock:
+    """Open a store's device and check that its superblock matches the store config.
+
+    Raises:
+        DeviceMismatch: with what differs and what to do.
+    """
+    sb = read_superblock(path)
+    if sb.store_uuid != store_uuid:
+        raise DeviceMismatch(
+            f"device {path} belongs to store {sb.store_name!r} ({sb.store_uuid.hex()}), "
+            "not this one: check the device list in the store config")
+    if sb.device_index != device_index or sb.device_count != device_count:
+        raise DeviceMismatch(
+            f"device {path} is device {sb.device_index} of {sb.device_count} in its superblock, "
+            f"but the config lists it as {device_index} of {device_count}: devices out of order?")
+    if sb.page_size != page_size:
+        raise DeviceMismatch(f"device {path} has page size {sb.page_size}, config says {page_size}")
+    names = [a.server for a in sb.areas]
+    if names != list(servers):
+        raise DeviceMismatch(f"device {path} has areas for {names}, config lists servers {list(servers)}")
+    size = device_size(path)
+    if size < sb.device_size:
+        raise DeviceMismatch(f"device {path} shrank: {size} bytes, formatted with {sb.device_size}")
+    return sb
+
+
+__all__ = ["Area", "device_size", "format_device", "open_direct", "read_superblock",
+           "verify_device", "write_superblock"]

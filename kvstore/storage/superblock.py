@@ -1,0 +1,150 @@
+"""The superblock: a 4 KiB block at offset 0 of every device, and its copy at 4096.
+
+Layout (little-endian, 4096 bytes; docs/FORMAT.md "Superblock")::
+
+    off  size  field
+      0     8  magic            b"KVSTSUPR"
+      8     4  version          u32, FORMAT_VERSION
+     12     4  block_size       u32, 4096
+     16    16  store_uuid       16 raw bytes
+     32     8  generation       u64, bumped by every rewrite
+     40     8  page_size        u64, payload bytes per slot (multiple of 4096)
+     48     8  device_size      u64, bytes of the device when formatted
+     56     8  data_offset      u64, byte offset of the first area (1 MiB)
+     64     4  device_index     u32, this device's index in the store
+     68     4  device_count     u32
+     72     4  area_count       u32, <= MAX_AREAS
+     76     4  reserved         zero
+     80    32  store_name       utf-8, NUL padded
+    112  48*64 area table       MAX_AREAS entries of AREA_FMT (below), unused ones zero
+   3184   904  reserved         zero
+   4088     8  checksum         xxh3_64 of bytes [0, 4088)
+
+    area entry (64 bytes):
+      0    32  server_name      utf-8, NUL padded
+     32     8  offset           u64, byte offset of the area's slot 0
+     40     8  slot_count       u64
+     48     4  flags            u32, reserved (0)
+     52    12  reserved         zero
+
+Why two copies: a rewrite (generation g+1) writes copy A, syncs, then copy B.
+A torn write leaves one copy whose checksum fails; the reader takes the valid
+copy with the highest generation, so either the old or the new superblock wins.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import CorruptPage
+
+MAGIC = b"KVSTSUPR"
+FORMAT_VERSION = 1
+BLOCK = 4096
+SUPERBLOCK_SIZE = 4096
+COPY_OFFSETS = (0, 4096)
+DATA_OFFSET = 1 << 20
+MAX_AREAS = 48
+
+HEAD_FMT = "<8sII16sQQQQIIII32s"
+AREA_FMT = "<32sQQI12x"
+HEAD_SIZE = struct.calcsize(HEAD_FMT)  # 112
+AREA_SIZE = struct.calcsize(AREA_FMT)  # 64
+AREA_TABLE_OFFSET = HEAD_SIZE
+CHECKSUM_OFFSET = SUPERBLOCK_SIZE - 8
+
+
+@dataclass(frozen=True)
+class Area:
+    """One server's area on one device: ``slot_count`` slots starting at ``offset``."""
+
+    server: str
+    offset: int
+    slot_count: int
+
+
+@dataclass(frozen=True)
+class Superblock:
+    """Decoded superblock of one device."""
+
+    store_uuid: bytes
+    store_name: str
+    generation: int
+    page_size: int
+    device_size: int
+    device_index: int
+    device_count: int
+    areas: tuple[Area, ...]
+    data_offset: int = DATA_OFFSET
+
+    @property
+    def slot_size(self) -> int:
+        """Bytes per slot on the device: one 4 KiB header block plus the payload."""
+        return BLOCK + self.page_size
+
+    def encode(self) -> bytes:
+        """The 4096-byte on-device form, checksum included."""
+        if len(self.areas) > MAX_AREAS:
+            raise ValueError(f"at most {MAX_AREAS} areas per device, got {len(self.areas)}")
+        buf = bytearray(SUPERBLOCK_SIZE)
+        struct.pack_into(
+            HEAD_FMT, buf, 0, MAGIC, FORMAT_VERSION, BLOCK, self.store_uuid, self.generation,
+            self.page_size, self.device_size, self.data_offset, self.device_index,
+            self.device_count, len(self.areas), 0, self.store_name.encode(),
+        )
+        for i, a in enumerate(self.areas):
+            struct.pack_into(AREA_FMT, buf, AREA_TABLE_OFFSET + i * AREA_SIZE,
+                             a.server.encode(), a.offset, a.slot_count, 0)
+        struct.pack_into("<Q", buf, CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:CHECKSUM_OFFSET])))
+        return bytes(buf)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Superblock:
+        """Parse and validate one copy.
+
+        Raises:
+            CorruptPage: bad magic, version, checksum or field range.
+        """
+        data = bytes(data[:SUPERBLOCK_SIZE])
+        if len(data) < SUPERBLOCK_SIZE:
+            raise CorruptPage(f"superblock: {len(data)} bytes, need {SUPERBLOCK_SIZE}")
+        (magic, version, block, uuid, gen, page_size, dev_size, data_off, dev_idx, dev_count,
+         n_areas, _res, name) = struct.unpack_from(HEAD_FMT, data, 0)
+        if magic != MAGIC:
+            raise CorruptPage("superblock: bad magic (not a kvstore device)")
+        (stored,) = struct.unpack_from("<Q", data, CHECKSUM_OFFSET)
+        if stored != xxhash.xxh3_64_intdigest(data[:CHECKSUM_OFFSET]):
+            raise CorruptPage("superblock: checksum mismatch")
+        if version != FORMAT_VERSION:
+            raise CorruptPage(f"superblock: format version {version}, this kvstore reads {FORMAT_VERSION}")
+        if block != BLOCK or page_size % BLOCK or page_size == 0 or n_areas > MAX_AREAS \
+                or dev_idx >= dev_count or data_off % BLOCK:
+            raise CorruptPage("superblock: field out of range")
+        areas = []
+        for i in range(n_areas):
+            sname, off, count, _flags = struct.unpack_from(AREA_FMT, data, AREA_TABLE_OFFSET + i * AREA_SIZE)
+            if off % BLOCK or off + count * (BLOCK + page_size) > dev_size:
+                raise CorruptPage(f"superblock: area {i} lies outside the device")
+            areas.append(Area(sname.rstrip(b"\0").decode(errors="replace"), off, count))
+        return cls(uuid, name.rstrip(b"\0").decode(errors="replace"), gen, page_size, dev_size,
+                   dev_idx, dev_count, tuple(areas), data_off)
+
+
+def plan_areas(device_size: int, page_size: int, servers: list[str]) -> tuple[Area, ...]:
+    """Split a device equally into one area per server after the reserved first MiB.
+
+    Raises:
+        ValueError: the device cannot hold at least one slot per server.
+    """
+    slot = BLOCK + page_size
+    per = (device_size - DATA_OFFSET) // slot // max(1, len(servers)) if device_size > DATA_OFFSET else 0
+    if per < 1:
+        need = DATA_OFFSET + slot * len(servers)
+        raise ValueError(
+            f"device of {device_size} bytes is too small: {len(servers)} server(s) with "
+            f"{page_size}-byte pages need at least {need} bytes"
+        )
+    return tuple(Area(s, DATA_OFFSET + i * per * slot, per) for i, s in enumerate(servers))
