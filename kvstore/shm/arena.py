@@ -1,0 +1,102 @@
+"""The page-buffer arena: 4 KiB-aligned buffers that clients, supervisor and workers share.
+
+Layout of the arena segment (``n`` buffers of ``4096 + page_size`` bytes)::
+
+    buffer i at offset i * (4096 + page_size):
+        [0, 4096)                 slot header block (written by the I/O worker)
+        [4096, 4096 + page_size)  page payload (written by the client for a put,
+                                  by the device for a get)
+
+One buffer is exactly one slot's bytes on the device, so a put or a get is a
+single O_DIRECT I/O straight between the device and this memory: no copy.
+
+Ownership: a state array of u32 per buffer (in the control segment) says who
+may touch the buffer; only the current owner writes the next state:
+
+    FREE -> CLIENT   client allocates it            (client)
+    CLIENT -> SERVICE client hands it over in a request (client)
+    SERVICE -> CLIENT service answers the request    (service)
+    SERVICE -> FREE   service is done with a put's buffer (service)
+    SERVICE -> QUARANTINE  an I/O into it is stuck; the worker is being killed (service)
+    QUARANTINE -> FREE     the stuck worker is gone, no more DMA can land there (service)
+    CLIENT -> FREE   client releases it              (client)
+
+The state is written with store-release and read with load-acquire, so the
+new owner sees the buffer's bytes as the old owner left them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..ioworkers.aio import FFI, LIB
+
+BLOCK = 4096
+
+FREE = 0
+CLIENT = 1
+SERVICE = 2
+QUARANTINE = 3
+
+
+def buffer_size(page_size: int) -> int:
+    """Bytes per arena buffer: a header block plus the page."""
+    return BLOCK + page_size
+
+
+class Arena:
+    """Views over the arena segment and its state array.
+
+    Invariant: buffer ``i`` starts at a 4096-byte aligned address (the mapping is
+    page aligned and the buffer size a multiple of 4096).
+    """
+
+    def __init__(self, data: Any, states: Any, states_offset: int, count: int, page_size: int) -> None:
+        self.count = count
+        self.page_size = page_size
+        self.bsize = buffer_size(page_size)
+        if len(data) < count * self.bsize:
+            raise ValueError("arena segment smaller than count * buffer size")
+        self._data = data
+        self.base = FFI.from_buffer(data)
+        sbase = FFI.from_buffer(states)
+        self._states = FFI.cast("uint32_t *", sbase + states_offset)
+        self._skeep = sbase
+        self.mv = memoryview(data)
+
+    @staticmethod
+    def states_nbytes(count: int) -> int:
+        """Bytes of the state array for ``count`` buffers (rounded to 64)."""
+        return (count * 4 + 63) // 64 * 64
+
+    def address(self, i: int) -> Any:
+        """``char *`` to buffer ``i`` (header block first)."""
+        return self.base + i * self.bsize
+
+    def payload(self, i: int, length: int | None = None) -> memoryview:
+        """Writable view of buffer ``i``'s payload (``length`` bytes, default the page size)."""
+        start = i * self.bsize + BLOCK
+        return self.mv[start:start + (self.page_size if length is None else length)]
+
+    def header(self, i: int) -> memoryview:
+        """Writable view of buffer ``i``'s 4 KiB header block."""
+        start = i * self.bsize
+        return self.mv[start:start + BLOCK]
+
+    def state(self, i: int) -> int:
+        """Current owner state of buffer ``i`` (load-acquire)."""
+        return int(LIB.kv_load_acquire_u32(self._states + i))
+
+    def set_state(self, i: int, state: int) -> None:
+        """Hand buffer ``i`` on (store-release). Only the current owner may call this."""
+        LIB.kv_store_release_u32(self._states + i, state)
+
+    def states(self, start: int, count: int) -> np.ndarray[Any, Any]:
+        """A snapshot of ``count`` states from ``start`` (for statistics and leak checks)."""
+        return np.array([self.state(i) for i in range(start, start + count)], dtype=np.uint32)
+
+    def release(self) -> None:
+        """Drop the memoryview so the segment can be unmapped."""
+        self.mv.release()

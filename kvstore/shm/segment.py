@@ -1,0 +1,136 @@
+"""POSIX shared-memory segments and semaphores, named per MASS_HOME, store and server.
+
+Names look like ``/kvs.<home8>.<store>.<server>.<what>``: ``home8`` is a hash
+of the MASS_HOME path, so two MASS_HOMEs (two test runs, two users) never
+collide. Segments and semaphores are created owner-only (mode 0600). On Linux
+both live under /dev/shm (semaphores as ``sem.<name>``), which is how a
+starting service finds and removes what a crashed one left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from pathlib import Path
+
+import posix_ipc
+
+SHM_DIR = Path("/dev/shm")
+
+
+def name_prefix(home: Path, store: str, server: str) -> str:
+    """The shm name prefix of one service (without the leading slash)."""
+    h = hashlib.blake2b(str(home.resolve()).encode(), digest_size=4).hexdigest()
+    return f"kvs.{h}.{store}.{server}."
+
+
+class Segment:
+    """A mapped POSIX shm segment. Invariant: ``buf`` stays mapped until ``close()``."""
+
+    def __init__(self, name: str, size: int, *, create: bool, mode: int = 0o600) -> None:
+        self.name = name
+        flags = posix_ipc.O_CREX if create else 0
+        shm = posix_ipc.SharedMemory("/" + name, flags, mode=mode, size=size if create else 0)
+        try:
+            self.size = shm.size
+            self.buf: mmap.mmap = mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+        self.owner = create
+
+    @classmethod
+    def create(cls, name: str, size: int, mode: int = 0o600) -> Segment:
+        """Create (fails if it exists) and map a zero-filled segment of ``size`` bytes."""
+        if size <= 0:
+            raise ValueError(f"segment size must be > 0, got {size}")
+        return cls(name, size, create=True, mode=mode)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        """Map an existing segment; raises ``posix_ipc.ExistentialError`` if it is gone."""
+        return cls(name, 0, create=False)
+
+    def close(self) -> None:
+        """Unmap (views into ``buf`` must be released first; otherwise the map is left to GC)."""
+        try:
+            self.buf.close()
+        except BufferError:
+            pass  # live numpy views: the mapping goes when they do
+
+    def unlink(self) -> None:
+        """Remove the name; the memory goes when the last process unmaps it."""
+        unlink_segment(self.name)
+
+
+def unlink_segment(name: str) -> None:
+    """Unlink segment ``name`` if it exists."""
+    try:
+        posix_ipc.unlink_shared_memory("/" + name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def create_semaphore(name: str) -> posix_ipc.Semaphore:
+    """Create an owner-only semaphore with value 0 (removing a stale one of that name)."""
+    try:
+        posix_ipc.unlink_semaphore("/" + name)
+    except posix_ipc.ExistentialError:
+        pass
+    return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+
+
+def attach_semaphore(name: str) -> posix_ipc.Semaphore:
+    """Open an existing semaphore."""
+    return posix_ipc.Semaphore("/" + name)
+
+
+def unlink_semaphore(name: str) -> None:
+    """Unlink semaphore ``name`` if it exists."""
+    try:
+        posix_ipc.unlink_semaphore("/" + name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Names of segments and semaphores under /dev/shm that start with ``prefix``."""
+    if not SHM_DIR.is_dir():
+        return []
+    out = []
+    for p in SHM_DIR.iterdir():
+        n = p.name
+        if n.startswith(prefix) or n.startswith("sem." + prefix):
+            out.append(n)
+    return sorted(out)
+
+
+def remove_leftovers(prefix: str) -> list[str]:
+    """Unlink every segment and semaphore starting with ``prefix``; return what was removed."""
+    gone = leftovers(prefix)
+    for n in gone:
+        if n.startswith("sem."):
+            unlink_semaphore(n[4:])
+        else:
+            unlink_segment(n)
+    return gone
+
+
+def wait_semaphore(sem: posix_ipc.Semaphore, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``sem``; True if it was acquired."""
+    try:
+        sem.acquire(max(0.0, timeout_s))
+        return True
+    except posix_ipc.BusyError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with ``pid`` exists (zombies count as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
