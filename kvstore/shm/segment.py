@@ -121,7 +121,7 @@ def wait_semaphore(sem: posix_ipc.Semaphore, timeout_s: float) -> bool:
     try:
         sem.acquire(max(0.0, timeout_s))
         return True
-    except posix_ipc.BusyError:
+    except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal: let the caller look at its flags
         return False
 
 

@@ -1,0 +1,438 @@
+"""KVCacheClient: the engine side of kvstore, talking to the local cache service.
+
+A connection is a Unix-socket hello followed by shared-memory rings and a
+lease of page buffers in the service's arena (see ``service/protocol.py``).
+Pages move between the device and those buffers with O_DIRECT I/O; ``get``
+hands out read-only views of them (zero copy) until the batch is released.
+
+Example::
+
+    from kvstore import KVCacheClient
+    with KVCacheClient.connect("demo") as c:
+        c.put(keys, pages, wait=True)
+        n = c.lookup(keys)
+        with c.get(keys) as pages:      # memoryview per key, None for a miss
+            ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+from .config import check_name, mass_home, run_dir, store_path
+from .errors import ClosedError, KVStoreError, ServiceLost, StoreNotFound, Timeout
+from .service import protocol as P
+from .shm import arena as A
+from .shm.segment import Segment, attach_semaphore, wait_semaphore
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def key_id(key: bytes) -> bytes:
+    """The 32-byte id a client sends for ``key`` (BLAKE2b-256; the service salts it again)."""
+    return hashlib.blake2b(key, digest_size=32).digest()
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What ``put`` did with each page."""
+
+    stored: int
+    """Pages written and indexed before ``put`` returned (``wait=True``)."""
+    queued: int
+    """Pages accepted and still being written (``wait=False``)."""
+    skipped: int
+    """Pages not written because the store already holds the key."""
+    dropped: int
+    """Pages not written: no slot could be freed (all pinned or being written) or the write failed."""
+
+
+class PageBatch(Sequence["memoryview | None"]):
+    """The result of ``get``: one read-only ``memoryview`` per key, ``None`` for a miss.
+
+    The views point into shared memory the client leases from the service;
+    they are valid until ``release()`` (or the end of the ``with`` block), after
+    which the buffers are reused.
+    """
+
+    def __init__(self, client: KVCacheClient, views: list[memoryview | None], bufs: list[int]) -> None:
+        self._client = client
+        self._views = views
+        self._bufs = bufs
+        self._released = False
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._released:
+            raise ClosedError("page batch was released; its views are no longer valid")
+        return self._views[i]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @property
+    def hits(self) -> int:
+        """Number of keys found."""
+        return sum(v is not None for v in self._views)
+
+    def release(self) -> None:
+        """Give the buffers back (idempotent). Views must not be used afterwards."""
+        if self._released:
+            return
+        self._released = True
+        for v in self._views:
+            if v is not None:
+                v.release()
+        self._client._free_buffers(self._bufs)
+
+    def __enter__(self) -> PageBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class KVCacheClient:
+    """A connection to the local cache service of one store.
+
+    Invariant: at most one request is outstanding on the connection (calls are
+    serialized by a lock), and every leased buffer is either FREE, held by this
+    client (CLIENT), or handed to the service (SERVICE/QUARANTINE) - never lost.
+    """
+
+    def __init__(self, sock: socket.socket, hello: dict[str, Any], timeout: float) -> None:
+        self._sock = sock
+        self.timeout = timeout
+        self.store: str = hello["store"]
+        """Store name."""
+        self.server: str = hello["server"]
+        """Server name of the service this client talks to."""
+        self.page_size: int = hello["page_size"]
+        """Bytes per page."""
+        self.max_batch: int = hello["max_batch"]
+        """Most keys per ``get`` (``put`` and ``lookup`` split larger batches)."""
+        self._service_pid: int = hello["service_pid"]
+        self._seg = Segment.attach(hello["segment"])
+        self._arena_seg = Segment.attach(hello["arena"])
+        self._control_seg = Segment.attach(hello["control"])
+        self._arena = A.Arena(self._arena_seg.buf, self._control_seg.buf, hello["states_offset"],
+                              hello["arena_count"], self.page_size)
+        self._chan = P.ClientChannel(self._seg.buf, self.max_batch)
+        self._sem = attach_semaphore(hello["sem"])
+        self._doorbell = attach_semaphore(hello["doorbell"])
+        self._lease = range(hello["lease_start"], hello["lease_start"] + hello["lease_count"])
+        self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
+        self._lock = threading.Lock()
+        self._next = 1
+        self._closed = False
+
+    # ---- connection ------------------------------------------------------------------------
+    @classmethod
+    def connect(cls, store: str, *, server: str | None = None, home: str | Path | None = None,
+                timeout: float = DEFAULT_TIMEOUT_S, tenant: str = "") -> KVCacheClient:
+        """Connect to the cache service of ``store`` running on this machine.
+
+        Args:
+            store: store name.
+            server: which local service, if several servers of the store run here.
+            home: MASS_HOME (default: the ``MASS_HOME`` env var, else ``~/.mass``).
+            timeout: seconds any call may take before raising ``Timeout``.
+            tenant: tenant name (reserved; all tenants share the store's salt for now).
+
+        Raises:
+            StoreNotFound: no such store, or no service of it runs here.
+            KVStoreError: the service refused the connection (e.g. too many clients).
+        """
+        check_name(store, "store")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        h = Path(home) if home is not None else mass_home()
+        if not store_path(store, h).exists():
+            raise StoreNotFound(f"store {store!r} not found under {h} (create it with "
+                                "'mass-ctl kvcache create', or set MASS_HOME)")
+        rd = run_dir(store, h)
+        if server is None:
+            socks = sorted(rd.glob("*.sock")) if rd.is_dir() else []
+            if len(socks) > 1:
+                raise ValueError(f"several services of store {store!r} run here "
+                                 f"({', '.join(s.stem for s in socks)}): pass server=")
+            path = socks[0] if socks else rd / "none.sock"
+        else:
+            path = rd / f"{check_name(server, 'server')}.sock"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect(str(path))
+            P.send_frame(s, {"v": P.VERSION, "op": "hello", "pid": os.getpid(), "tenant": tenant})
+            hello = P.recv_frame(s)
+        except (FileNotFoundError, ConnectionRefusedError):
+            s.close()
+            raise StoreNotFound(f"no service of store {store!r} runs here: start one with "
+                                f"'mass-ctl kvcache connect {store}'") from None
+        except (OSError, ValueError, ConnectionError) as e:
+            s.close()
+            raise ServiceLost(f"handshake with the service of {store!r} failed: {e}") from None
+        if not hello.get("ok"):
+            s.close()
+            raise KVStoreError(f"the service of {store!r} refused the connection: {hello.get('error')}")
+        return cls(s, hello, timeout)
+
+    def close(self) -> None:
+        """Disconnect (idempotent). Views from unreleased ``get`` batches become invalid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close()
+        self._sem.close()
+        self._doorbell.close()
+        self._arena.release()
+        for seg in (self._seg, self._arena_seg, self._control_seg):
+            seg.close()
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- buffers -------------------------------------------------------------------------
+    def _reclaim_orphans(self) -> None:
+        for b in list(self._orphans):
+            st = self._arena.state(b)
+            if st == A.CLIENT:
+                self._arena.set_state(b, A.FREE)
+            if st in (A.CLIENT, A.FREE):
+                self._orphans.discard(b)
+
+    def _alloc(self, n: int, deadline: float) -> list[int]:
+        pause = 20e-6
+        while True:
+            self._reclaim_orphans()
+            free = [i for i in self._lease if self._arena.state(i) == A.FREE]
+            if len(free) >= n:
+                got = free[:n]
+                for i in got:
+                    self._arena.set_state(i, A.CLIENT)
+                return got
+            self._check_service()
+            if time.monotonic() >= deadline:
+                raise Timeout(f"no free page buffer within the timeout ({len(free)} of {n} free): "
+                              "writes are backed up; slow down or raise the timeout")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _free_buffers(self, bufs: Sequence[int]) -> None:
+        for b in bufs:
+            if self._arena.state(b) == A.CLIENT:
+                self._arena.set_state(b, A.FREE)
+
+    # ---- requests ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("client is closed")
+
+    def _check_service(self) -> None:
+        r, _, _ = select.select([self._sock], [], [], 0)
+        if r:
+            try:
+                data = self._sock.recv(1, socket.MSG_PEEK)
+            except OSError:
+                data = b""
+            if not data:
+                raise ServiceLost(f"the cache service of store {self.store!r} is gone; recompute, "
+                                  f"and reconnect once 'mass-ctl kvcache connect {self.store}' runs again")
+
+    def _call(self, op: int, count: int, flags: int, deadline: float, bufs: Sequence[int] = ()) -> Any:
+        rid = self._next
+        self._next += 1
+        try:
+            self._chan.requests.put((rid, op, count, flags, 0, 0), max(0.0, deadline - time.monotonic()))
+        except Exception:
+            raise Timeout("the service did not take the request in time") from None
+        self._doorbell.release()
+        while True:
+            while len(self._chan.responses):
+                m = self._chan.responses.get_nowait()
+                if int(m["req_id"]) == rid:
+                    st = int(m["status"])
+                    if st == P.S_TOO_LARGE:
+                        raise ValueError(f"batch of {count} keys exceeds the service's max batch {self.max_batch}")
+                    if st != P.S_OK:
+                        raise KVStoreError(f"the service rejected the request (status {st})")
+                    return m
+            self._check_service()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._orphans.update(bufs)
+                raise Timeout(f"no answer from the cache service within {self.timeout} s; "
+                              "treat these pages as misses")
+            wait_semaphore(self._sem, min(left, 0.05))
+
+    def _keys(self, keys: Sequence[bytes], start: int, n: int) -> None:
+        ch = self._chan.keys
+        for j in range(n):
+            k = keys[start + j]
+            if not isinstance(k, bytes):
+                raise TypeError(f"keys[{start + j}] must be bytes, got {type(k).__name__}")
+            if not k:
+                raise ValueError(f"keys[{start + j}] is empty")
+            ch[j] = memoryview(key_id(k))
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def contains(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
+        """Per key, whether the store holds it now (a later ``get`` may still miss).
+
+        Raises:
+            TypeError: a key is not ``bytes``.
+            Timeout, ServiceLost: the service did not answer.
+        """
+        return self._lookup(keys, timeout)[1]
+
+    def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """How many leading keys of ``keys`` (a prefix chain) the store holds.
+
+        Raises:
+            TypeError: a key is not ``bytes``.
+            Timeout, ServiceLost: the service did not answer.
+        """
+        return self._lookup(keys, timeout)[0]
+
+    def _lookup(self, keys: Sequence[bytes], timeout: float | None) -> tuple[int, list[bool]]:
+        keys = list(keys)
+        deadline = self._deadline(timeout)
+        found: list[bool] = []
+        lead = 0
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(keys), self.max_batch):
+                n = min(self.max_batch, len(keys) - start)
+                self._keys(keys, start, n)
+                m = self._call(P.OP_LOOKUP, n, 0, deadline)
+                found += (self._chan.results[:n] == P.R_HIT).tolist()
+                if lead == start:
+                    lead += int(m["value"])
+        return lead, found
+
+    def get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> PageBatch:
+        """Read the pages of ``keys``: a ``PageBatch`` of read-only views (``None`` per miss).
+
+        Every returned page was validated by the service (header, generation,
+        key and checksum); anything else is a miss. Release the batch (or use
+        ``with``) to give its buffers back.
+
+        Raises:
+            ValueError: more keys than ``max_batch``.
+            TypeError: a key is not ``bytes``.
+            Timeout, ServiceLost: the service did not answer (treat as misses).
+        """
+        keys = list(keys)
+        if len(keys) > self.max_batch:
+            raise ValueError(f"get of {len(keys)} keys exceeds max_batch {self.max_batch} "
+                             "(service.client_buffers in the store config); split the batch")
+        if not keys:
+            return PageBatch(self, [], [])
+        deadline = self._deadline(timeout)
+        with self._lock:
+            self._check_open()
+            n = len(keys)
+            self._keys(keys, 0, n)
+            bufs = self._alloc(n, deadline)
+            ch = self._chan
+            for j, b in enumerate(bufs):
+                ch.bufs[j] = b
+                self._arena.set_state(b, A.SERVICE)
+            try:
+                self._call(P.OP_GET, n, 0, deadline, bufs)
+            except KVStoreError as e:
+                if not isinstance(e, Timeout):
+                    self._free_buffers(bufs)
+                raise
+            views: list[memoryview | None] = []
+            held: list[int] = []
+            for j, b in enumerate(bufs):
+                if int(ch.results[j]) == P.R_HIT and self._arena.state(b) == A.CLIENT:
+                    views.append(self._arena.payload(b, int(ch.lengths[j])).toreadonly())
+                    held.append(b)
+                else:
+                    views.append(None)
+                    if self._arena.state(b) == A.CLIENT:
+                        self._arena.set_state(b, A.FREE)
+            return PageBatch(self, views, held)
+
+    def put(self, keys: Sequence[bytes], pages: Sequence[Any], *, wait: bool = False,
+            timeout: float | None = None) -> PutResult:
+        """Save ``pages[i]`` under ``keys[i]``; keys the store already holds are skipped.
+
+        Each page is copied once, into a shared-memory buffer the device is
+        written from. With ``wait=False`` the call returns once the service has
+        taken the batch; the writes finish later (and may still be dropped).
+
+        Args:
+            keys: ``bytes`` keys.
+            pages: buffer-protocol objects (bytes, numpy arrays, ...) of exactly ``page_size`` bytes.
+            wait: return only after the pages are on the device and indexed.
+            timeout: seconds for the whole call (default: the client's timeout).
+
+        Raises:
+            ValueError: ``len(keys) != len(pages)`` or a page of the wrong size.
+            TypeError: a key is not ``bytes`` or a page has no buffer interface.
+            Timeout, ServiceLost: the service did not take or finish the batch.
+        """
+        keys = list(keys)
+        pages = list(pages)
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
+        views = []
+        for i, p in enumerate(pages):
+            try:
+                v = memoryview(p)
+            except TypeError:
+                raise TypeError(f"pages[{i}] has no buffer interface ({type(p).__name__})") from None
+            if not v.contiguous:
+                raise ValueError(f"pages[{i}] is not contiguous")
+            if v.nbytes != self.page_size:
+                raise ValueError(f"pages[{i}] has {v.nbytes} bytes; this store's page_size is {self.page_size}")
+            views.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
+        counts = {P.R_STORED: 0, P.R_QUEUED: 0, P.R_SKIPPED: 0, P.R_DROPPED: 0}
+        deadline = self._deadline(timeout)
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(keys), self.max_batch):
+                n = min(self.max_batch, len(keys) - start)
+                self._keys(keys, start, n)
+                bufs = self._alloc(n, deadline)
+                ch = self._chan
+                for j, b in enumerate(bufs):
+                    self._arena.payload(b)[:] = views[start + j]
+                    ch.bufs[j] = b
+                    ch.lengths[j] = self.page_size
+                    self._arena.set_state(b, A.SERVICE)
+                self._call(P.OP_PUT, n, P.FLAG_WAIT if wait else 0, deadline, bufs)
+                for r in ch.results[:n].tolist():
+                    counts[r] = counts.get(r, 0) + 1
+        return PutResult(counts[P.R_STORED], counts[P.R_QUEUED], counts[P.R_SKIPPED], counts[P.R_DROPPED])
+
+    def ping(self, *, timeout: float | None = None) -> float:
+        """Round-trip a no-op through the service; returns seconds taken."""
+        t0 = time.monotonic()
+        with self._lock:
+            self._check_open()
+            self._call(P.OP_PING, 0, 0, self._deadline(timeout))
+        return time.monotonic() - t0
+
+    def free_buffers(self) -> int:
+        """Leased buffers free right now (diagnostics: a leak shows as fewer than ``max_batch``)."""
+        return sum(1 for i in self._lease if self._arena.state(i) == A.FREE)
+
+

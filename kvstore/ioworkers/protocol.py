@@ -1,0 +1,77 @@
+"""Records on the rings between the supervisor and an I/O worker.
+
+Each worker has one control segment holding three rings (see ``WorkerRings``):
+``reads`` and ``writes`` (supervisor -> worker) carry ``IO_REQUEST``;
+``done`` (worker -> supervisor) carries ``IO_COMPLETION``. Layouts are listed in
+docs/FORMAT.md ("I/O worker rings").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..shm.ring import Ring
+
+OP_READ = 0
+OP_WRITE = 1
+
+# status of a completion
+ST_OK = 0
+ST_IO_ERROR = 1       # the device failed the request (result holds -errno) or it was short
+ST_BAD_HEADER = 2     # header missing, torn, or not the expected store/slot/generation/key
+ST_BAD_CHECKSUM = 3   # payload checksum mismatch
+ST_WORKER_LOST = 4    # synthesized by the supervisor when the worker died or hung
+
+#: supervisor -> worker, 96 bytes
+IO_REQUEST = np.dtype([
+    ("tag", "<u8"),        # unique per request while outstanding
+    ("op", "<u4"),         # OP_READ / OP_WRITE
+    ("buf", "<u4"),        # arena buffer index
+    ("offset", "<u8"),     # device byte offset of the slot (its header block)
+    ("length", "<u8"),     # bytes to transfer: 4096 + payload rounded up to 4096
+    ("gen", "<u8"),        # generation to write / expected
+    ("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"),  # key digest
+    ("area", "<u4"),       # area index of the slot
+    ("pad", "<u4"),
+    ("slot", "<u8"),       # slot index in the area
+    ("payload_len", "<u8"),  # payload bytes (write: to store; read: expected)
+])
+assert IO_REQUEST.itemsize == 96
+
+#: worker -> supervisor, 32 bytes
+IO_COMPLETION = np.dtype([
+    ("tag", "<u8"),
+    ("result", "<i8"),     # bytes transferred or -errno
+    ("status", "<i4"),     # ST_*
+    ("pad", "<u4"),
+    ("latency_ns", "<u8"),
+])
+assert IO_COMPLETION.itemsize == 32
+
+REQUEST_RING = 1024
+DONE_RING = 1024
+
+
+class WorkerRings:
+    """The three rings of one worker's control segment, at fixed offsets."""
+
+    def __init__(self, buf: Any) -> None:
+        o = 0
+        self.reads = Ring(buf, o, REQUEST_RING, IO_REQUEST)
+        o += Ring.nbytes(REQUEST_RING, IO_REQUEST)
+        self.writes = Ring(buf, o, REQUEST_RING, IO_REQUEST)
+        o += Ring.nbytes(REQUEST_RING, IO_REQUEST)
+        self.done = Ring(buf, o, DONE_RING, IO_COMPLETION)
+
+    @staticmethod
+    def nbytes() -> int:
+        """Size of the control segment."""
+        return 2 * Ring.nbytes(REQUEST_RING, IO_REQUEST) + Ring.nbytes(DONE_RING, IO_COMPLETION)
+
+    def reset(self) -> None:
+        """Empty all three rings (only while no worker runs)."""
+        self.reads.reset()
+        self.writes.reset()
+        self.done.reset()

@@ -1,0 +1,249 @@
+"""The I/O worker process: one per device, libaio + O_DIRECT between the device and the arena.
+
+Loop, in this order each turn (why: reads are what an engine waits on, writes
+can wait; and a deep write queue in the device is read latency):
+
+1. reap completions without blocking and report them on the ``done`` ring;
+2. take reads from the ``reads`` ring while fewer than ``read_depth`` are
+   outstanding;
+3. take writes only when the ``reads`` ring is empty, and only while fewer
+   than ``max_inflight_writes`` are outstanding;
+4. submit all of it in one ``io_submit``;
+5. with nothing new to do: wait for a completion (100 us at most, so new
+   reads are picked up soon) or, when nothing is outstanding, for the
+   supervisor's wake-up semaphore (50 ms at most, then check the parent is alive).
+
+Writes: the worker writes the slot header into the buffer's header block
+(checksum of the payload computed here, in parallel per device) and writes
+header and payload with one I/O. Reads: after the device fills the buffer the
+worker validates header and payload against what the supervisor expected and
+reports OK, BAD_HEADER or BAD_CHECKSUM; the supervisor never hands out a page
+that did not pass.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ..shm.arena import Arena
+from ..shm.segment import Segment, attach_semaphore, wait_semaphore
+from ..shm.stats import D, StatsBlock
+from ..storage.header import HEADER_BLOCK, HEADER_SIZE, SlotHeader
+from .aio import AioContext
+from .protocol import (IO_COMPLETION, OP_READ, ST_BAD_CHECKSUM, ST_BAD_HEADER, ST_IO_ERROR,
+                       ST_OK, WorkerRings)
+
+_ZERO_TAIL = bytes(HEADER_BLOCK - HEADER_SIZE)
+
+
+@dataclass(frozen=True)
+class WorkerParams:
+    """Everything a worker needs, as plain values (it is pickled into the new process)."""
+
+    device_path: str
+    device_index: int
+    store_uuid: bytes
+    page_size: int
+    arena_name: str
+    arena_count: int
+    control_name: str
+    states_offset: int
+    worker_segment: str
+    stats_name: str
+    doorbell: str
+    wakeup: str
+    read_depth: int
+    max_inflight_writes: int
+    direct: bool = True
+
+
+class Worker:
+    """State of a running worker; see the module docstring for the loop."""
+
+    def __init__(self, p: WorkerParams) -> None:
+        self.p = p
+        self.arena_seg = Segment.attach(p.arena_name)
+        self.control_seg = Segment.attach(p.control_name)
+        self.arena = Arena(self.arena_seg.buf, self.control_seg.buf, p.states_offset, p.arena_count, p.page_size)
+        self.wseg = Segment.attach(p.worker_segment)
+        self.rings = WorkerRings(self.wseg.buf)
+        self.stats_seg = Segment.attach(p.stats_name)
+        self.stats = StatsBlock.attach(self.stats_seg.buf)
+        self.doorbell = attach_semaphore(p.doorbell)
+        self.wakeup = attach_semaphore(p.wakeup)
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if p.direct else 0)
+        self.fd = os.open(p.device_path, flags)
+        self.ctx = AioContext(p.read_depth + p.max_inflight_writes, p.device_path)
+        self.pending: dict[int, tuple[Any, int]] = {}  # tag -> (request record, submit ns)
+        self.reads_inflight = 0
+        self.writes_inflight = 0
+        self.stop = False
+        self.parent = os.getppid()
+        d = p.device_index
+        self.row = self.stats.device[d]
+        self.h_read = 1 + 2 * d
+        self.h_write = 2 + 2 * d
+
+    def _prepare_write(self, r: Any) -> None:
+        i = int(r["buf"])
+        n = int(r["payload_len"])
+        csum = xxhash.xxh3_64_intdigest(self.arena.payload(i, n))
+        hdr = SlotHeader(self.p.store_uuid, self.p.device_index, int(r["area"]), int(r["slot"]),
+                         int(r["gen"]), _digest(r), n, csum, time.time_ns()).encode()
+        hb = self.arena.header(i)
+        hb[:HEADER_SIZE] = hdr
+        hb[HEADER_SIZE:] = _ZERO_TAIL
+
+    def _validate_read(self, r: Any) -> int:
+        i = int(r["buf"])
+        h = SlotHeader.decode(self.arena.header(i))
+        n = int(r["payload_len"])
+        if (h is None or h.store_uuid != self.p.store_uuid or h.device_index != self.p.device_index
+                or h.area_index != int(r["area"]) or h.slot_index != int(r["slot"])
+                or h.generation != int(r["gen"]) or h.key_digest != _digest(r)
+                or h.payload_length != n):
+            return ST_BAD_HEADER
+        if xxhash.xxh3_64_intdigest(self.arena.payload(i, n)) != h.payload_checksum:
+            return ST_BAD_CHECKSUM
+        return ST_OK
+
+    def _complete(self, tag: int, result: int) -> None:
+        r, t0 = self.pending.pop(tag)
+        lat = time.monotonic_ns() - t0
+        is_read = int(r["op"]) == OP_READ
+        row = self.row
+        if is_read:
+            self.reads_inflight -= 1
+        else:
+            self.writes_inflight -= 1
+        if result != int(r["length"]):
+            status = ST_IO_ERROR
+            row[D["read_errors" if is_read else "write_errors"]] += 1
+        else:
+            status = self._validate_read(r) if is_read else ST_OK
+            if is_read:
+                row[D["reads"]] += 1
+                row[D["read_bytes"]] += result
+            else:
+                row[D["writes"]] += 1
+                row[D["write_bytes"]] += result
+        self.stats.observe(self.h_read if is_read else self.h_write, lat / 1e9)
+        rec = (tag, result, status, 0, lat)
+        while True:
+            try:
+                self.rings.done.put(rec, 1.0)
+                break
+            except Exception:
+                if not self._parent_alive():
+                    raise SystemExit(0) from None
+        self.doorbell.release()
+
+    def _parent_alive(self) -> bool:
+        return os.getppid() == self.parent
+
+    def _take(self) -> list[tuple[int, int, Any, int, int, int]]:
+        batch: list[tuple[int, int, Any, int, int, int]] = []
+        now = time.monotonic_ns()
+        room = self.p.read_depth - self.reads_inflight
+        if room > 0:
+            for r in self.rings.reads.get_batch(room):
+                tag = int(r["tag"])
+                self.pending[tag] = (r, now)
+                batch.append((0, self.fd, self.arena.address(int(r["buf"])), int(r["length"]),
+                              int(r["offset"]), tag))
+                self.reads_inflight += 1
+        room = self.p.max_inflight_writes - self.writes_inflight
+        if room > 0 and len(self.rings.reads) == 0:
+            for r in self.rings.writes.get_batch(room):
+                tag = int(r["tag"])
+                self._prepare_write(r)
+                self.pending[tag] = (r, now)
+                batch.append((1, self.fd, self.arena.address(int(r["buf"])), int(r["length"]),
+                              int(r["offset"]), tag))
+                self.writes_inflight += 1
+        return batch
+
+    def _submit(self, batch: list[tuple[int, int, Any, int, int, int]]) -> None:
+        while batch:
+            try:
+                n = self.ctx.submit(batch)
+            except OSError as e:
+                # the device refused the whole batch: fail its first request and go on
+                n = 0
+                self._complete(batch[0][5], -(e.errno or 5))
+                batch = batch[1:]
+                continue
+            batch = batch[n:]
+            if batch:  # the kernel took only part: reap something and retry
+                for c in self.ctx.getevents(1, 256, 0.001):
+                    self._complete(c.tag, c.result)
+
+    def run(self) -> None:
+        """Serve until SIGTERM or until the supervisor is gone."""
+        last_check = time.monotonic()
+        row = self.row
+        while not self.stop:
+            progressed = False
+            if self.ctx.outstanding:
+                for c in self.ctx.getevents(0, 256, 0):
+                    self._complete(c.tag, c.result)
+                    progressed = True
+            batch = self._take()
+            if batch:
+                self._submit(batch)
+                progressed = True
+            row[D["reads_inflight"]] = self.reads_inflight
+            row[D["writes_inflight"]] = self.writes_inflight
+            row[D["reads_queued"]] = len(self.rings.reads)
+            row[D["writes_queued"]] = len(self.rings.writes)
+            if progressed:
+                continue
+            if self.ctx.outstanding:
+                for c in self.ctx.getevents(1, 256, 100e-6):
+                    self._complete(c.tag, c.result)
+            else:
+                wait_semaphore(self.wakeup, 0.05)
+            now = time.monotonic()
+            if now - last_check > 0.5:
+                last_check = now
+                if not self._parent_alive():
+                    break
+        # drain what is in flight so no DMA outlives us into buffers the supervisor reuses
+        while self.ctx.outstanding:
+            for c in self.ctx.getevents(1, 256, 1.0):
+                self._complete(c.tag, c.result)
+
+    def close(self) -> None:
+        """Release the context, the device and the mappings."""
+        self.ctx.close()
+        os.close(self.fd)
+        self.arena.release()
+
+
+def _digest(r: Any) -> bytes:
+    return (int(r["d0"]).to_bytes(8, "little") + int(r["d1"]).to_bytes(8, "little")
+            + int(r["d2"]).to_bytes(8, "little") + int(r["d3"]).to_bytes(8, "little"))
+
+
+def worker_main(p: WorkerParams) -> None:
+    """Process entry point (spawned by the supervisor)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
+    w = Worker(p)
+
+    def _term(signum: int, frame: Any) -> None:
+        w.stop = True
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        w.run()
+    finally:
+        w.close()
+
+
+__all__ = ["IO_COMPLETION", "WorkerParams", "worker_main"]

@@ -1,0 +1,189 @@
+"""Slot allocation in this server's own areas: free lists, CLOCK eviction, retirement, pins.
+
+Retirement rule (DESIGN.md "Space reuse"): a slot is first marked RETIRED in
+the slot table and removed from the key index, with its generation bumped (the
+tombstone peers will see), and only then may it be overwritten, once no local
+read pins it and ``grace_s`` has passed for readers on other servers. The
+reverse order (overwrite, then unindex) would let a lookup that raced the
+overwrite hand out a location whose bytes are changing; header validation
+would still catch it, but as a miss the engine could have avoided.
+
+CLOCK never picks a pinned slot, and a RETIRED slot cannot gain a pin (only
+VALID slots are found by lookup), so with ``grace_s == 0`` a retired slot is
+reusable at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..shm.slots import EMPTY, RETIRED, VALID, WRITING
+
+
+class Generations:
+    """Per-area generation source: strictly increasing, also across restarts.
+
+    ``next()`` returns ``max(last + 1, now in microseconds)``: the clock term
+    keeps generations increasing after a restart even where a slot's last
+    header was destroyed, as long as the wall clock does not go back by more
+    than the service was down.
+    """
+
+    def __init__(self, floor: int = 0, clock: Callable[[], int] = time.time_ns) -> None:
+        self.last = floor
+        self._clock = clock
+
+    def next(self) -> int:
+        """A generation greater than every one returned or observed before."""
+        self.last = max(self.last + 1, self._clock() // 1000)
+        return self.last
+
+    def observe(self, gen: int) -> None:
+        """Account for a generation found on the device."""
+        self.last = max(self.last, gen)
+
+
+@dataclass(frozen=True)
+class AllocatorStatistics:
+    """A snapshot of the allocator."""
+
+    own_slots: int
+    """Slots in this server's areas."""
+    free: int
+    """Own slots empty and ready to write."""
+    quarantined: int
+    """Retired own slots waiting for pins or the grace period."""
+    pinned: int
+    """Slots (any area) pinned by reads in flight."""
+
+
+class Allocator:
+    """Hands out own slots for writes, one device at a time.
+
+    Invariant: a gid is in at most one of {free list, quarantine, WRITING,
+    VALID}; a slot handed out by ``allocate`` is in state WRITING with a fresh
+    generation and is neither pinned nor indexed.
+    """
+
+    def __init__(self, slots: np.ndarray[Any, Any], own: Sequence[range], gens: Sequence[Generations],
+                 unindex: Callable[[int], None], grace_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``own[d]`` is the gid range of this server's area on device ``d``; ``unindex(gid)``
+        removes a slot's key from the key index."""
+        self.slots = slots
+        self.own = list(own)
+        self.gens = list(gens)
+        self.unindex = unindex
+        self.grace_s = grace_s
+        self.clock = clock
+        n = len(slots)
+        self.pins = np.zeros(n, dtype=np.int32)
+        self.ref = np.zeros(n, dtype=np.uint8)
+        self.free: list[deque[int]] = []
+        self.quarantine: list[deque[tuple[int, float]]] = [deque() for _ in own]
+        self.hand = [r.start for r in own]
+        self.evictions = 0
+        for r in own:
+            st = slots["state"][r.start:r.stop]
+            self.free.append(deque(int(r.start + i) for i in np.nonzero(st != VALID)[0]))
+            slots["state"][r.start:r.stop][st != VALID] = EMPTY
+
+    def pin(self, gid: int) -> None:
+        """A read of ``gid`` is in flight; also marks it recently used."""
+        self.pins[gid] += 1
+        self.ref[gid] = 1
+
+    def unpin(self, gid: int) -> None:
+        """The read of ``gid`` is done."""
+        self.pins[gid] -= 1
+
+    def touch(self, gids: np.ndarray[Any, Any]) -> None:
+        """Mark slots recently used (lookup hits)."""
+        self.ref[gids] = 1
+
+    def retire(self, gid: int, device: int) -> None:
+        """Retire an own VALID slot: unindex, tombstone generation, quarantine until safe."""
+        self.unindex(gid)
+        s = self.slots[gid]
+        s["gen"] = self.gens[device].next()
+        s["state"] = RETIRED
+        self.quarantine[device].append((gid, self.clock() + self.grace_s))
+
+    def _from_quarantine(self, device: int) -> int:
+        q = self.quarantine[device]
+        now = self.clock()
+        for _ in range(len(q)):
+            gid, ready = q[0]
+            if ready > now:
+                return -1  # FIFO with one grace: later entries are not ready either
+            q.popleft()
+            if self.pins[gid] == 0:
+                return gid
+            q.append((gid, now))  # still pinned: look again later
+        return -1
+
+    def _clock_sweep(self, device: int) -> int:
+        r = self.own[device]
+        n = len(r)
+        st = self.slots["state"]
+        for _ in range(2 * n):
+            gid = self.hand[device]
+            self.hand[device] = gid + 1 if gid + 1 < r.stop else r.start
+            if st[gid] != VALID or self.pins[gid]:
+                continue
+            if self.ref[gid]:
+                self.ref[gid] = 0
+                continue
+            self.retire(gid, device)
+            self.evictions += 1
+            got = self._from_quarantine(device)
+            if got >= 0:
+                return got
+        return -1
+
+    def allocate(self, device: int) -> int:
+        """An own slot on ``device`` ready to write (state WRITING, new generation), or -1."""
+        if not len(self.own[device]):
+            return -1
+        gid = self.free[device].popleft() if self.free[device] else self._from_quarantine(device)
+        if gid < 0:
+            gid = self._clock_sweep(device)
+        if gid < 0:
+            return -1
+        s = self.slots[gid]
+        s["gen"] = self.gens[device].next()
+        s["state"] = WRITING
+        s["length"] = 0
+        self.ref[gid] = 1
+        return gid
+
+    def commit(self, gid: int, words: np.ndarray[Any, Any], length: int) -> None:
+        """The write of ``gid`` completed: record the key and mark it VALID (caller indexes it)."""
+        s = self.slots[gid]
+        s["d0"], s["d1"], s["d2"], s["d3"] = (int(x) for x in words)
+        s["length"] = length
+        s["state"] = VALID
+
+    def abandon(self, gid: int, device: int) -> None:
+        """The write of ``gid`` failed or was dropped: the slot is empty again."""
+        self.slots[gid]["state"] = EMPTY
+        self.free[device].append(gid)
+
+    def drop(self, gid: int, device: int | None) -> None:
+        """A read of ``gid`` failed validation: forget the location (own slots become free)."""
+        self.unindex(gid)
+        if device is not None and self.slots["state"][gid] == VALID:
+            self.retire(gid, device)
+        elif self.slots["state"][gid] == VALID:
+            self.slots[gid]["state"] = EMPTY
+
+    def statistics(self) -> AllocatorStatistics:
+        """Own slots, free, quarantined, pinned."""
+        return AllocatorStatistics(sum(len(r) for r in self.own), sum(len(f) for f in self.free),
+                                   sum(len(q) for q in self.quarantine), int(np.count_nonzero(self.pins)))

@@ -1,0 +1,690 @@
+"""The supervisor: owns one store's state on this server and serves its clients.
+
+Processes: this one (index, allocation, request loop), one I/O worker per
+device (``kvstore.ioworkers.worker``), spawned and restarted from here.
+
+Shared memory (names from ``shm.segment.name_prefix``):
+
+    <p>control   slot table | key index | arena buffer states
+    <p>arena     page buffers (header block + page each)
+    <p>stats     stats block
+    <p>w<d>      rings of worker d
+    <p>c<id>     one per client connection (rings + batch arrays)
+    sem.<p>bell  doorbell: every producer toward the supervisor posts it
+    sem.<p>w<d>  wake-up of worker d;  sem.<p>c<id>.s  wake-up of client id
+
+The loop drains worker completions, then client requests, then waits on the
+doorbell (20 ms at most); every 20 ms it also accepts and reaps connections,
+checks workers (dead or stuck past ``io_timeout_s``) and updates gauges.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import select
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import numpy as np
+import posix_ipc
+import structlog
+
+from ..config import StoreConfig, mass_home, run_dir
+from ..errors import AlreadyRunning
+from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
+                                  ST_IO_ERROR, ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
+from ..ioworkers.worker import WorkerParams, worker_main
+from ..shm import arena as A
+from ..shm.index import ENTRY_DTYPE, KeyIndex, index_capacity
+from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
+                           unlink_semaphore, wait_semaphore)
+from ..shm.slots import SLOT_DTYPE, VALID, SlotMap, slot_table
+from ..shm.stats import D, StatsBlock, stats_nbytes
+from ..storage.device import verify_device
+from ..storage.header import HEADER_BLOCK
+from . import protocol as P
+from .allocator import Allocator, Generations
+from .rebuild import scan_devices
+
+log = structlog.get_logger(__name__)
+
+TICK_S = 0.02
+
+
+def salted_words(keys: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any]:
+    """Service-side digests: BLAKE2b-256 keyed with the salt over each client key id, as n x 4 u64."""
+    out = np.empty((len(keys), 32), dtype=np.uint8)
+    for i in range(len(keys)):
+        out[i] = np.frombuffer(hashlib.blake2b(keys[i].tobytes(), digest_size=32, key=salt).digest(), np.uint8)
+    return out.view("<u8")
+
+
+@dataclass
+class Request:
+    """A client request being served."""
+
+    conn: Conn
+    req_id: int
+    op: int
+    count: int
+    flags: int
+    t0: float
+    outstanding: int = 0
+    responded: bool = False
+    quarantined: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Conn:
+    """One client connection."""
+
+    id: int
+    sock: socket.socket
+    seg: Segment
+    chan: P.ClientChannel
+    sem: posix_ipc.Semaphore
+    sem_name: str
+    lease_start: int
+    lease_count: int
+    pid: int
+    alive: bool = True
+    busy: Request | None = None
+    ops: int = 0  # I/Os in flight that use this connection's buffers
+
+
+@dataclass
+class Op:
+    """One I/O dispatched to a worker."""
+
+    req: Request
+    index: int
+    gid: int
+    device: int
+    buf: int
+    op: int
+    words: np.ndarray[Any, Any]
+    length: int
+    gen: int
+    t0: float
+
+
+@dataclass
+class WorkerSlot:
+    """A device's worker process and its rings."""
+
+    device: int
+    path: str
+    seg: Segment
+    rings: WorkerRings
+    wake: posix_ipc.Semaphore
+    wake_name: str
+    proc: Any = None
+    restarts: int = 0
+
+
+class Supervisor:
+    """Serves one store as one server. Invariant: it is the only writer of the slot
+    table and key index, and every buffer it holds (SERVICE/QUARANTINE) is given
+    back exactly once."""
+
+    def __init__(self, cfg: StoreConfig, server: str, home: Path | None = None) -> None:
+        self.cfg = cfg
+        self.server = server
+        self.home = (home or mass_home()).resolve()
+        self.area = cfg.server_index(server)
+        self.prefix = name_prefix(self.home, cfg.name, server)
+        self.rundir = run_dir(cfg.name, self.home)
+        self.sock_path = self.rundir / f"{server}.sock"
+        self.stop = False
+        self._segments: list[Segment] = []
+        self._sems: list[str] = []
+        self._lock_fd: int | None = None
+        self.workers: list[WorkerSlot] = []
+        self.conns: dict[int, Conn] = {}
+        self.pending: dict[int, Op] = {}
+        self.writing: dict[bytes, int] = {}
+        self.next_tag = 1
+        self.rr = 0
+        self.salt = bytes.fromhex(cfg.salt)
+        self.lsock: socket.socket | None = None
+        self.zombies: list[tuple[Any, list[int]]] = []
+        self.log = log.bind(store=cfg.name, server=server)
+
+    # ---- start-up -------------------------------------------------------------------------
+    def _lock(self) -> None:
+        self.rundir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.rundir / f"{self.server}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise AlreadyRunning(
+                    f"a service of store {self.cfg.name!r} as server {self.server!r} already runs here "
+                    f"(lock {self.rundir / (self.server + '.lock')} is held)") from None
+            raise
+        self._lock_fd = fd
+
+    def _segment(self, what: str, size: int) -> Segment:
+        seg = Segment.create(self.prefix + what, size)
+        self._segments.append(seg)
+        return seg
+
+    def _sem(self, what: str) -> posix_ipc.Semaphore:
+        self._sems.append(self.prefix + what)
+        return create_semaphore(self.prefix + what)
+
+    def start(self) -> None:
+        """Lock, clean a crashed predecessor's leftovers, verify devices, build shm, rebuild, spawn."""
+        cfg = self.cfg
+        self._lock()
+        try:
+            stale = remove_leftovers(self.prefix)
+            if stale:
+                self.log.warning("removed leftovers of a crashed service", count=len(stale))
+            servers = [s.name for s in cfg.servers]
+            self.sbs = [verify_device(p, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
+                                      device_count=len(cfg.devices), servers=servers)
+                        for i, p in enumerate(cfg.devices)]
+            self.smap = SlotMap([[a.slot_count for a in sb.areas] for sb in self.sbs])
+            total = self.smap.total
+            self.arena_count = cfg.service.max_clients * cfg.service.client_buffers
+            if self.arena_count > REQUEST_RING:
+                raise ValueError(f"max_clients x client_buffers must be <= {REQUEST_RING}, "
+                                 f"got {self.arena_count}")
+            icap = index_capacity(total)
+            slots_bytes = total * SLOT_DTYPE.itemsize
+            idx_off = (slots_bytes + 63) // 64 * 64
+            self.states_off = idx_off + icap * ENTRY_DTYPE.itemsize
+            ctl = self._segment("control", self.states_off + A.Arena.states_nbytes(self.arena_count))
+            self.slots = slot_table(ctl.buf, 0, total)
+            entries = np.frombuffer(ctl.buf, dtype=ENTRY_DTYPE, count=icap, offset=idx_off)
+            arena_seg = self._segment("arena", self.arena_count * A.buffer_size(cfg.page_size))
+            self.arena = A.Arena(arena_seg.buf, ctl.buf, self.states_off, self.arena_count, cfg.page_size)
+            st = self._segment("stats", stats_nbytes(len(cfg.devices)))
+            self.stats = StatsBlock(st.buf, len(cfg.devices), init=True)
+            self.stats.set("started_ns", time.time_ns())
+            self.doorbell = self._sem("bell")
+            # rebuild from headers, then index: other areas first so our own copy wins a duplicate
+            rep = scan_devices(cfg.devices, self.sbs, self.smap, self.slots)
+            self.index = KeyIndex(entries, self.slots, init=True)
+            order = [(d, a) for d in range(self.smap.n_devices) for a in range(self.smap.n_areas) if a != self.area]
+            order += [(d, self.area) for d in range(self.smap.n_devices)]
+            for d, a in order:
+                r = self.smap.area_gids(d, a)
+                for gid in np.nonzero(self.slots["state"][r.start:r.stop] == VALID)[0] + r.start:
+                    e = self.slots[gid]
+                    self.index.insert(np.array([e["d0"], e["d1"], e["d2"], e["d3"]], dtype=np.uint64), int(gid))
+            gens = [Generations(rep.max_gen[d][self.area]) for d in range(self.smap.n_devices)]
+            self.own = [self.smap.area_gids(d, self.area) for d in range(self.smap.n_devices)]
+            self.alloc = Allocator(self.slots, self.own, gens, self._unindex, cfg.service.retire_grace_s)
+            self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
+                          seconds=round(rep.seconds, 3))
+            for d, path in enumerate(cfg.devices):
+                seg = self._segment(f"w{d}", WorkerRings.nbytes())
+                wake_name = self.prefix + f"w{d}"
+                wake = self._sem(f"w{d}")
+                self.workers.append(WorkerSlot(d, path, seg, WorkerRings(seg.buf), wake, wake_name))
+            self._mp = multiprocess.get_context("spawn")
+            for w in self.workers:
+                self._spawn(w)
+            self._listen()
+            (self.rundir / f"{self.server}.pid").write_text(f"{os.getpid()}\n")
+            self.log.info("service started", pid=os.getpid(), devices=len(cfg.devices), slots=total,
+                          own_slots=sum(len(r) for r in self.own), socket=str(self.sock_path))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _spawn(self, w: WorkerSlot) -> None:
+        cfg = self.cfg
+        params = WorkerParams(
+            device_path=w.path, device_index=w.device, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size,
+            arena_name=self.prefix + "arena", arena_count=self.arena_count, control_name=self.prefix + "control",
+            states_offset=self.states_off, worker_segment=self.prefix + f"w{w.device}",
+            stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=w.wake_name,
+            read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes)
+        w.proc = self._mp.Process(target=worker_main, args=(params,), daemon=True,
+                                  name=f"kvstore-io-{cfg.name}-{w.device}")
+        w.proc.start()
+        self.stats.dev_set(w.device, "pid", w.proc.pid)
+
+    def _listen(self) -> None:
+        try:
+            self.sock_path.unlink()
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # owner-only socket: only this user's engines may connect
+        try:
+            s.bind(str(self.sock_path))
+        finally:
+            os.umask(old)
+        s.listen(64)
+        s.setblocking(False)
+        self.lsock = s
+
+    # ---- index helpers ----------------------------------------------------------------------
+    def _unindex(self, gid: int) -> None:
+        self.index.remove(int(self.slots["d0"][gid]), gid)
+
+    def _own_device(self, gid: int) -> int | None:
+        d, a, _s = self.smap.locate(gid)
+        return d if a == self.area else None
+
+    # ---- connections -------------------------------------------------------------------------
+    def _accept(self) -> None:
+        assert self.lsock is not None
+        while True:
+            try:
+                s, _ = self.lsock.accept()
+            except BlockingIOError:
+                return
+            try:
+                s.settimeout(2.0)
+                self._hello(s)
+            except Exception as e:  # a bad client must never take the service down
+                self.log.warning("client hello failed", error=str(e))
+                s.close()
+
+    def _hello(self, s: socket.socket) -> None:
+        msg = P.recv_frame(s)
+        if msg.get("v") != P.VERSION or msg.get("op") != "hello":
+            P.send_frame(s, {"v": P.VERSION, "ok": False, "kind": "protocol",
+                             "error": f"expected a version {P.VERSION} hello"})
+            s.close()
+            return
+        used = {c.id for c in self.conns.values()}
+        free = [i for i in range(self.cfg.service.max_clients) if i not in used]
+        if not free or self.stop:
+            P.send_frame(s, {"v": P.VERSION, "ok": False, "kind": "busy",
+                             "error": f"the service has its maximum of {self.cfg.service.max_clients} clients"
+                             " (service.max_clients in the store config)"})
+            s.close()
+            return
+        cid = free[0]
+        nb = self.cfg.service.client_buffers
+        start = cid * nb
+        for i in range(start, start + nb):
+            self.arena.set_state(i, A.FREE)
+        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb))
+        sem_name = self.prefix + f"c{cid}.s"
+        sem = create_semaphore(sem_name)
+        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, int(msg.get("pid", 0)))
+        P.send_frame(s, {
+            "v": P.VERSION, "ok": True, "client_id": cid, "page_size": self.cfg.page_size, "max_batch": nb,
+            "lease_start": start, "lease_count": nb, "arena": self.prefix + "arena",
+            "control": self.prefix + "control", "states_offset": self.states_off, "arena_count": self.arena_count,
+            "segment": seg.name, "sem": sem_name, "doorbell": self.prefix + "bell",
+            "service_pid": os.getpid(), "store": self.cfg.name, "server": self.server,
+            "stats": self.prefix + "stats"})
+        s.setblocking(False)
+        self.conns[cid] = conn
+        self.stats.add("clients_total")
+        self.log.info("client connected", client=cid, pid=conn.pid)
+
+    def _poll_sockets(self) -> None:
+        self._accept()
+        socks = [c.sock for c in self.conns.values() if c.alive]
+        if not socks:
+            return
+        r, _, _ = select.select(socks, [], [], 0)
+        for s in r:
+            conn = next(c for c in self.conns.values() if c.sock is s)
+            try:
+                data = s.recv(4096)
+            except OSError:
+                data = b""
+            if not data:  # EOF: the client is gone (closed or died)
+                conn.alive = False
+                s.close()
+                self.log.info("client disconnected", client=conn.id, pid=conn.pid)
+        for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
+            self._drop_conn(conn)
+
+    def _drop_conn(self, conn: Conn) -> None:
+        del self.conns[conn.id]
+        conn.seg.close()
+        conn.seg.unlink()
+        conn.sem.close()
+        unlink_semaphore(conn.sem_name)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _serve_clients(self) -> int:
+        n = 0
+        for conn in list(self.conns.values()):
+            if not conn.alive or conn.busy is not None:
+                continue
+            try:
+                m = conn.chan.requests.get_nowait()
+            except Exception:
+                continue
+            n += 1
+            self._handle(conn, m)
+        return n
+
+    def _respond(self, req: Request, status: int = P.S_OK, value: int = 0) -> None:
+        conn = req.conn
+        req.responded = True
+        if conn.busy is req:
+            conn.busy = None
+        if not conn.alive:
+            return
+        try:
+            conn.chan.responses.put_nowait((req.req_id, req.op, req.count, req.flags, status, value))
+            conn.sem.release()
+        except Exception:
+            self.log.warning("client response ring full; response dropped", client=conn.id)
+
+    def _handle(self, conn: Conn, m: Any) -> None:
+        op, count, flags, rid = int(m["op"]), int(m["count"]), int(m["flags"]), int(m["req_id"])
+        req = Request(conn, rid, op, count, flags, time.monotonic())
+        ch = conn.chan
+        if op == P.OP_PING:
+            return self._respond(req)
+        if op not in (P.OP_LOOKUP, P.OP_GET, P.OP_PUT) or not 0 < count <= ch.max_batch:
+            return self._respond(req, P.S_TOO_LARGE if count > ch.max_batch else P.S_BAD_REQUEST)
+        if op != P.OP_LOOKUP:
+            bufs = ch.bufs[:count]
+            lo, hi = conn.lease_start, conn.lease_start + conn.lease_count
+            if (bufs < lo).any() or (bufs >= hi).any() or len(set(bufs.tolist())) != count \
+                    or any(self.arena.state(int(b)) != A.SERVICE for b in bufs):
+                return self._respond(req, P.S_BAD_REQUEST)
+        words = salted_words(ch.keys[:count], self.salt)
+        if op == P.OP_LOOKUP:
+            return self._lookup(req, words)
+        conn.busy = req
+        if op == P.OP_GET:
+            return self._get(req, words)
+        return self._put(req, words)
+
+    def _lookup(self, req: Request, words: np.ndarray[Any, Any]) -> None:
+        gids = self.index.lookup(words)
+        hit = gids >= 0
+        req.conn.chan.results[:req.count] = np.where(hit, P.R_HIT, P.R_MISS)
+        if hit.any():
+            self.alloc.touch(gids[hit])
+        lead = int(np.argmin(hit)) if not hit.all() else len(hit)
+        self.stats.add("lookups")
+        self.stats.add("lookup_keys", req.count)
+        self._respond(req, P.S_OK, lead)
+
+    def _dispatch(self, req: Request, i: int, gid: int, buf: int, op: int, words: np.ndarray[Any, Any],
+                  length: int) -> None:
+        d, a, s = self.smap.locate(gid)
+        sb = self.sbs[d]
+        tag = self.next_tag
+        self.next_tag += 1
+        e = self.slots[gid]
+        xfer = HEADER_BLOCK + (length + 4095) // 4096 * 4096
+        rec = (tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, int(e["gen"]),
+               int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0, s, length)
+        w = self.workers[d]
+        (w.rings.reads if op == OP_READ else w.rings.writes).put_nowait(np.array(rec, dtype=IO_REQUEST))
+        self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, int(e["gen"]), time.monotonic())
+        req.outstanding += 1
+        req.conn.ops += 1
+        w.wake.release()
+
+    def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
+        ch = req.conn.chan
+        gids = self.index.lookup(words)
+        ch.results[:req.count] = P.R_MISS
+        self.stats.add("gets")
+        found = np.nonzero(gids >= 0)[0]
+        self.stats.add("misses", req.count - len(found))
+        for i in found:
+            gid = int(gids[i])
+            self.alloc.pin(gid)
+            self._dispatch(req, int(i), gid, int(ch.bufs[i]), OP_READ, words[i], int(self.slots["length"][gid]))
+        self._maybe_finish(req)
+
+    def _put(self, req: Request, words: np.ndarray[Any, Any]) -> None:
+        ch = req.conn.chan
+        n = req.count
+        wait = bool(req.flags & P.FLAG_WAIT)
+        present = self.index.lookup(words) >= 0
+        self.stats.add("puts")
+        self.stats.add("put_pages", n)
+        seen: set[bytes] = set()
+        ndev = len(self.workers)
+        for i in range(n):
+            key = words[i].tobytes()
+            buf = int(ch.bufs[i])
+            length = int(ch.lengths[i])
+            if present[i] or key in self.writing or key in seen or not 0 < length <= self.cfg.page_size:
+                ch.results[i] = P.R_SKIPPED if length else P.R_DROPPED
+                self.stats.add("put_skipped" if length else "put_dropped")
+                self.arena.set_state(buf, A.FREE)
+                continue
+            seen.add(key)
+            gid = -1
+            for k in range(ndev):
+                d = (self.rr + k) % ndev
+                gid = self.alloc.allocate(d)
+                if gid >= 0:
+                    break
+            self.rr = (self.rr + 1) % ndev
+            if gid < 0:
+                ch.results[i] = P.R_DROPPED
+                self.stats.add("put_dropped")
+                self.arena.set_state(buf, A.FREE)
+                continue
+            self.writing[key] = gid
+            ch.results[i] = P.R_QUEUED
+            self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length)
+        self.stats.set("evictions", self.alloc.evictions)
+        if not wait:
+            self._respond(req)
+        self._maybe_finish(req)
+
+    def _maybe_finish(self, req: Request) -> None:
+        if req.outstanding or req.responded:
+            return
+        if req.op == P.OP_GET:
+            ch = req.conn.chan
+            for i in range(req.count):
+                b = int(ch.bufs[i])
+                if b in req.quarantined:
+                    ch.results[i] = P.R_MISS
+                elif req.conn.alive:
+                    self.arena.set_state(b, A.CLIENT)
+                else:
+                    self.arena.set_state(b, A.FREE)
+            self.stats.observe(0, time.monotonic() - req.t0)
+        self._respond(req)
+
+    # ---- completions -------------------------------------------------------------------------
+    def _complete(self, op: Op, status: int) -> None:
+        req = op.req
+        ch = req.conn.chan
+        req.outstanding -= 1
+        req.conn.ops -= 1
+        if op.op == OP_READ:
+            self.alloc.unpin(op.gid)
+            if status == ST_OK:
+                ch.results[op.index] = P.R_HIT
+                ch.lengths[op.index] = op.length
+                self.stats.add("hits")
+                self.stats.add("pages_read")
+                self.stats.add("bytes_read", op.length)
+            else:
+                ch.results[op.index] = P.R_MISS
+                self.stats.add("misses")
+                if status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
+                    self.stats.add("validation_failures")
+                    # drop the location only if the slot still holds what we read (not rewritten since)
+                    if int(self.slots["gen"][op.gid]) == op.gen and self.slots["state"][op.gid] == VALID:
+                        self.alloc.drop(op.gid, self._own_device(op.gid))
+                    self.log.warning("page failed validation; location dropped", gid=op.gid,
+                                     reason="header" if status == ST_BAD_HEADER else "checksum")
+                else:
+                    self.stats.add("io_errors")
+        else:
+            self.writing.pop(op.words.tobytes(), None)
+            if status == ST_OK:
+                self.alloc.commit(op.gid, op.words, op.length)
+                self.index.insert(op.words, op.gid)
+                ch.results[op.index] = P.R_STORED
+                self.stats.add("pages_written")
+                self.stats.add("bytes_written", op.length)
+            else:
+                self.alloc.abandon(op.gid, op.device)
+                ch.results[op.index] = P.R_DROPPED
+                self.stats.add("put_dropped")
+                self.stats.add("io_errors")
+            if op.buf not in req.quarantined:
+                self.arena.set_state(op.buf, A.FREE)
+        self._maybe_finish(req)
+
+    def _drain_completions(self) -> int:
+        n = 0
+        for w in self.workers:
+            for c in w.rings.done.get_batch(256):
+                op = self.pending.pop(int(c["tag"]), None)
+                if op is None:
+                    continue
+                n += 1
+                self._complete(op, int(c["status"]))
+        return n
+
+    # ---- workers -------------------------------------------------------------------------------
+    def _check_workers(self) -> None:
+        now = time.monotonic()
+        tmo = self.cfg.worker.io_timeout_s
+        oldest = {}
+        for op in self.pending.values():
+            oldest[op.device] = min(oldest.get(op.device, now), op.t0)
+        for w in self.workers:
+            if not w.proc.is_alive():
+                self._worker_lost(w, f"exited with code {w.proc.exitcode}")
+            elif now - oldest.get(w.device, now) > tmo:
+                self._worker_lost(w, f"I/O outstanding for more than {tmo} s")
+        for z in list(self.zombies):
+            proc, bufs = z
+            if not proc.is_alive():
+                for b in bufs:
+                    self.arena.set_state(b, A.FREE)
+                self.zombies.remove(z)
+
+    def _worker_lost(self, w: WorkerSlot, why: str) -> None:
+        self.log.warning("I/O worker lost; restarting", device=w.device, pid=w.proc.pid, reason=why)
+        if w.proc.is_alive():
+            w.proc.kill()
+        w.proc.join(5.0)
+        reaped = not w.proc.is_alive()  # the kernel ends a dead process's AIO before it is reaped
+        stuck: list[int] = []
+        for tag, op in [(t, o) for t, o in self.pending.items() if o.device == w.device]:
+            del self.pending[tag]
+            if not reaped:
+                stuck.append(op.buf)
+                op.req.quarantined.add(op.buf)
+                self.arena.set_state(op.buf, A.QUARANTINE)
+            self._complete(op, ST_WORKER_LOST)
+        if stuck:
+            self.zombies.append((w.proc, stuck))
+        w.rings.reset()
+        w.restarts += 1
+        self.stats.add("worker_restarts")
+        self.stats.dev_set(w.device, "restarts", w.restarts)
+        if not self.stop:
+            self._spawn(w)
+
+    # ---- loop ----------------------------------------------------------------------------------
+    def _gauges(self) -> None:
+        st = self.slots["state"]
+        s = self.stats
+        s.set("heartbeat_ns", time.time_ns())
+        s.set("clients_connected", sum(1 for c in self.conns.values() if c.alive))
+        s.set("slots_total", self.smap.total)
+        s.set("slots_valid", int(np.count_nonzero(st == VALID)))
+        s.set("own_slots", sum(len(r) for r in self.own))
+        s.set("own_slots_valid", sum(int(np.count_nonzero(st[r.start:r.stop] == VALID)) for r in self.own))
+        s.set("pins", int(np.count_nonzero(self.alloc.pins)))
+
+    def run(self) -> None:
+        """Serve until ``stop`` is set (SIGTERM/SIGINT), then shut down."""
+        last = 0.0
+        try:
+            while not self.stop:
+                n = self._drain_completions() + self._serve_clients()
+                now = time.monotonic()
+                if now - last >= TICK_S:
+                    last = now
+                    self._poll_sockets()
+                    self._check_workers()
+                    self._gauges()
+                if n == 0:
+                    wait_semaphore(self.doorbell, TICK_S)
+        finally:
+            self.shutdown()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the loop cleanly."""
+        def _stop(signum: int, frame: Any) -> None:
+            self.stop = True
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+    def shutdown(self) -> None:
+        """Stop workers, disconnect clients, remove every segment, semaphore, socket and pid file."""
+        self.stop = True
+        if self.lsock is not None:
+            self.lsock.close()
+            self.lsock = None
+            try:
+                self.sock_path.unlink()
+            except FileNotFoundError:
+                pass
+        for w in self.workers:
+            if w.proc is not None and w.proc.is_alive():
+                w.proc.terminate()
+        for w in self.workers:
+            if w.proc is not None:
+                w.proc.join(5.0)
+                if w.proc.is_alive():
+                    w.proc.kill()
+                    w.proc.join(5.0)
+        for conn in list(self.conns.values()):
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+            self._drop_conn(conn)
+        for w in self.workers:
+            w.wake.close()
+        self.workers = []
+        for seg in self._segments:
+            seg.close()
+            seg.unlink()
+        self._segments = []
+        for n in self._sems:
+            unlink_semaphore(n)
+        self._sems = []
+        try:
+            (self.rundir / f"{self.server}.pid").unlink()
+        except FileNotFoundError:
+            pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self.log.info("service stopped")
+
+
+def serve(cfg: StoreConfig, server: str, home: Path | None = None) -> None:
+    """Run the service in this process until SIGTERM/SIGINT (``mass-ctl kvcache connect``)."""
+    sup = Supervisor(cfg, server, home)
+    sup.install_signal_handlers()
+    sup.start()
+    sup.run()
+
+
+__all__ = ["Supervisor", "serve"]

@@ -1,0 +1,116 @@
+"""Helpers to run a real cache service in a child process: for tests, the quickstart and benchmarks.
+
+Follows ``trio.testing``: public, small, and the same code the project's own
+tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from .config import ServerConfig, StoreConfig, ServiceConfig, WorkerConfig, run_dir, save_store
+from .errors import KVStoreError
+from .shm.segment import leftovers, name_prefix
+from .storage.device import format_device
+
+
+def make_store(home: Path, name: str, devices: list[str], page_size: int, servers: list[str] | None = None,
+               *, service: ServiceConfig | None = None, worker: WorkerConfig | None = None,
+               force: bool = False) -> StoreConfig:
+    """Create a store config under ``home`` and format its devices (which must exist)."""
+    servers = servers or ["local"]
+    cfg = StoreConfig(name=name, uuid=str(uuid.uuid4()), page_size=page_size, devices=tuple(devices),
+                      servers=tuple(ServerConfig(s) for s in servers),
+                      service=service or ServiceConfig(), worker=worker or WorkerConfig())
+    for i, d in enumerate(devices):
+        format_device(d, store_uuid=cfg.uuid_bytes, store_name=name, page_size=page_size, device_index=i,
+                      device_count=len(devices), servers=servers, force=force)
+    save_store(cfg, home)
+    return cfg
+
+
+class ServiceProcess:
+    """``mass-ctl kvcache connect`` in a child process, waited for until its socket answers.
+
+    Use as a context manager; on exit it sends SIGTERM and waits (then SIGKILL).
+    """
+
+    def __init__(self, home: Path, store: str, server: str = "local", *, log: Path | None = None,
+                 start_timeout: float = 60.0) -> None:
+        self.home = Path(home)
+        self.store = store
+        self.server = server
+        self.start_timeout = start_timeout
+        self.log = log or (self.home / f"service-{store}-{server}.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def sock(self) -> Path:
+        """The service's Unix socket."""
+        return run_dir(self.store, self.home) / f"{self.server}.sock"
+
+    @property
+    def prefix(self) -> str:
+        """The service's shm name prefix."""
+        return name_prefix(self.home, self.store, self.server)
+
+    def start(self) -> ServiceProcess:
+        """Start and wait until the socket exists (raises ``KVStoreError`` with the log on failure)."""
+        env = dict(os.environ, MASS_HOME=str(self.home), PYTHONUNBUFFERED="1")
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "kvcache", "connect", self.store, "--server", self.server],
+            env=env, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.start_timeout
+        while not self.sock.exists():
+            if self.proc.poll() is not None:
+                raise KVStoreError(f"service exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise KVStoreError(f"service did not start within {self.start_timeout} s")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def pid(self) -> int:
+        """The supervisor's pid."""
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._logf.close()
+        rc = self.proc.returncode
+        return int(rc)
+
+    def kill(self) -> None:
+        """SIGKILL the supervisor (its workers notice and exit on their own)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+        self._logf.close()
+
+    def leftovers(self) -> list[str]:
+        """shm segments and semaphores of this service still present."""
+        return leftovers(self.prefix)
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
