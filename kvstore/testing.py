@@ -105,6 +105,14 @@ class ServiceProcess:
         self.proc.wait(10)
         self._logf.close()
 
+    def children(self) -> list[int]:
+        """Pids of the supervisor's child processes (its I/O workers) right now."""
+        try:
+            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(x) for x in text.split()]
+
     def leftovers(self) -> list[str]:
         """shm segments and semaphores of this service still present."""
         return leftovers(self.prefix)

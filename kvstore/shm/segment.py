@@ -19,10 +19,15 @@ import posix_ipc
 SHM_DIR = Path("/dev/shm")
 
 
+def home_prefix(home: Path) -> str:
+    """The shm name prefix shared by every service under one MASS_HOME."""
+    h = hashlib.blake2b(str(Path(home).resolve()).encode(), digest_size=4).hexdigest()
+    return f"kvs.{h}."
+
+
 def name_prefix(home: Path, store: str, server: str) -> str:
     """The shm name prefix of one service (without the leading slash)."""
-    h = hashlib.blake2b(str(home.resolve()).encode(), digest_size=4).hexdigest()
-    return f"kvs.{h}.{store}.{server}."
+    return f"{home_prefix(home)}{store}.{server}."
 
 
 class Segment:

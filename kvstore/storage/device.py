@@ -41,6 +41,8 @@ def open_direct(path: str, writable: bool) -> int:
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_DIRECT | os.O_CLOEXEC
     try:
         return os.open(path, flags)
+    except FileNotFoundError:
+        raise DeviceMismatch(f"device {path} does not exist") from None
     except OSError as e:
         raise DeviceMismatch(f"cannot open {path} with O_DIRECT: {e.strerror}") from None
 
