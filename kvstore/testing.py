@@ -61,14 +61,17 @@ class ServiceProcess:
         return name_prefix(self.home, self.store, self.server)
 
     def start(self) -> ServiceProcess:
-        """Start and wait until the socket exists (raises ``KVStoreError`` with the log on failure)."""
+        """Start and wait until the service listens (raises ``KVStoreError`` with the log on failure)."""
         env = dict(os.environ, MASS_HOME=str(self.home), PYTHONUNBUFFERED="1")
         self._logf = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.cli", "kvcache", "connect", self.store, "--server", self.server],
             env=env, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout
-        while not self.sock.exists():
+        pidfile = run_dir(self.store, self.home) / f"{self.server}.pid"
+        # ready = our child wrote its pid file (after listening); a stale socket of a
+        # killed predecessor must not count
+        while not (self.sock.exists() and pidfile.exists() and pidfile.read_text().strip() == str(self.proc.pid)):
             if self.proc.poll() is not None:
                 raise KVStoreError(f"service exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
@@ -112,6 +115,17 @@ class ServiceProcess:
         except OSError:
             return []
         return [int(x) for x in text.split()]
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the I/O workers, by device, as the service's stats block reports them."""
+        from .shm.segment import Segment
+        from .shm.stats import StatsBlock
+
+        seg = Segment.attach(self.prefix + "stats")
+        try:
+            return [d.pid for d in StatsBlock.attach(seg.buf).snapshot().devices]
+        finally:
+            seg.close()
 
     def leftovers(self) -> list[str]:
         """shm segments and semaphores of this service still present."""

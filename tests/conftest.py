@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -106,14 +107,14 @@ def services() -> Iterator[Callable[..., ServiceProcess]]:
 
     yield start
     for s, kids in started:
-        s.stop()
         kids += [k for k in s.children() if k not in kids]
+        assert s.stop() in (0, -9), f"service exited with an error; see {s.log}"
+    for s, _kids in started:
         assert not s.leftovers(), f"shm left behind: {s.leftovers()}"
-    import time
     deadline = time.monotonic() + 10
     for _s, kids in started:
         for k in kids:
-            while pid_alive(k) and _is_our_child_zombie_free(k) and time.monotonic() < deadline:
+            while pid_alive(k) and not _zombie(k) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert not pid_alive(k) or _zombie(k), f"worker process {k} outlived its service"
 
@@ -123,7 +124,3 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
-
-
-def _is_our_child_zombie_free(pid: int) -> bool:
-    return not _zombie(pid)

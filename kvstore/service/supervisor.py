@@ -302,6 +302,8 @@ class Supervisor:
                              "error": f"expected a version {P.VERSION} hello"})
             s.close()
             return
+        if len(self.conns) >= self.cfg.service.max_clients:
+            self._reap()  # a client that just closed must not hold a place against this one
         used = {c.id for c in self.conns.values()}
         free = [i for i in range(self.cfg.service.max_clients) if i not in used]
         if not free or self.stop:
@@ -333,6 +335,10 @@ class Supervisor:
 
     def _poll_sockets(self) -> None:
         self._accept()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Notice clients that closed their socket; drop them once no I/O uses their buffers."""
         socks = [c.sock for c in self.conns.values() if c.alive]
         if not socks:
             return

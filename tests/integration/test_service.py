@@ -1,0 +1,228 @@
+"""Real services (supervisor + I/O worker processes) on file-backed and loop devices."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore import KVCacheClient
+from kvstore.config import ServiceConfig
+from kvstore.errors import ServiceLost, StoreNotFound
+from kvstore.quickstart import page_bytes
+from kvstore.shm.segment import Segment
+from kvstore.shm.stats import StatsBlock
+from kvstore.testing import make_store
+
+pytestmark = pytest.mark.integration
+
+PS = 16 << 10
+SLOT = 4096 + PS
+
+
+def dev_size(slots: int) -> int:
+    return (1 << 20) + slots * SLOT
+
+
+def stats(svc) -> object:  # type: ignore[no-untyped-def]
+    seg = Segment.attach(svc.prefix + "stats")
+    try:
+        return StatsBlock.attach(seg.buf).snapshot()
+    finally:
+        seg.close()
+
+
+def wait_for(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``pred`` until true or the deadline (gauges refresh every 20 ms)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def keys_of(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}/{i}".encode() for i in range(n)]
+
+
+def check_batch(keys: list[bytes], batch) -> tuple[int, int, int]:  # type: ignore[no-untyped-def]
+    """(hits, misses, wrong) of a get batch against the content derived from each key."""
+    hits = misses = wrong = 0
+    for k, v in zip(keys, batch):
+        if v is None:
+            misses += 1
+        elif np.array_equal(np.frombuffer(v, np.uint8), page_bytes(k, len(v))):
+            hits += 1
+        else:
+            wrong += 1
+    return hits, misses, wrong
+
+
+@pytest.mark.slow
+def test_10000_pages_roundtrip_two_devices(devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    devs = devices.make(2, dev_size(5100))
+    make_store(home, "big", devs, PS)
+    svc = services(home, "big")
+    keys = keys_of("big", 10_000)
+    with KVCacheClient.connect("big", home=home) as c:
+        r = c.put(keys, [page_bytes(k, PS) for k in keys], wait=True)
+        assert (r.stored, r.skipped, r.dropped) == (10_000, 0, 0)
+        assert c.lookup(keys) == 10_000
+        total = [0, 0, 0]
+        for s in range(0, len(keys), c.max_batch):
+            with c.get(keys[s:s + c.max_batch]) as b:
+                for i, x in enumerate(check_batch(keys[s:s + c.max_batch], b)):
+                    total[i] += x
+        assert total == [10_000, 0, 0]
+        assert c.free_buffers() == c.max_batch  # every buffer came back
+    st = stats(svc)
+    assert st.devices[0].writes > 4000 and st.devices[1].writes > 4000  # round-robin over both devices
+    assert st.service.pages_written == 10_000
+
+
+def test_restart_rebuilds_from_headers(file_devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    devs = file_devices.make(2, dev_size(300))
+    make_store(home, "rb", devs, PS)
+    svc = services(home, "rb")
+    keys = keys_of("rb", 500)
+    with KVCacheClient.connect("rb", home=home) as c:
+        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 500
+    assert svc.stop() == 0
+    svc2 = services(home, "rb")
+    with KVCacheClient.connect("rb", home=home) as c:
+        assert c.lookup(keys) == 500
+        for s in range(0, 500, c.max_batch):
+            with c.get(keys[s:s + c.max_batch]) as b:
+                h, m, w = check_batch(keys[s:s + c.max_batch], b)
+                assert (m, w) == (0, 0)
+        # new writes after a restart get higher generations and do not clobber old pages
+        more = keys_of("rb2", 50)
+        assert c.put(more, [page_bytes(k, PS) for k in more], wait=True).stored == 50
+        with c.get(keys[:10] + more[:10]) as b:
+            assert check_batch(keys[:10] + more[:10], b) == (20, 0, 0)
+    assert wait_for(lambda: stats(svc2).service.slots_valid == 550)
+    assert wait_for(lambda: stats(svc2).service.pins == 0)  # every read unpinned its slot
+
+
+def test_kill_worker_during_load(file_devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    devs = file_devices.make(2, dev_size(400))
+    make_store(home, "kw", devs, PS)
+    svc = services(home, "kw")
+    stop = threading.Event()
+    result = {"hits": 0, "misses": 0, "wrong": 0, "calls": 0, "errors": 0, "max_call": 0.0}
+
+    def load() -> None:
+        rng = random.Random(1)
+        with KVCacheClient.connect("kw", home=home, timeout=20) as c:
+            n = 0
+            while not stop.is_set():
+                keys = keys_of(f"kw{n}", 16)
+                n += 1
+                t0 = time.monotonic()
+                try:
+                    c.put(keys, [page_bytes(k, PS) for k in keys], wait=rng.random() < 0.5)
+                    old = keys_of(f"kw{rng.randrange(n)}", 16)
+                    with c.get(old) as b:
+                        h, m, w = check_batch(old, b)
+                    result["hits"] += h
+                    result["misses"] += m
+                    result["wrong"] += w
+                except Exception:
+                    result["errors"] += 1
+                result["calls"] += 1
+                result["max_call"] = max(result["max_call"], time.monotonic() - t0)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        time.sleep(1.0)
+        for i in range(3):
+            pids = svc.worker_pids()
+            assert all(p in svc.children() for p in pids)
+            os.kill(pids[i % 2], signal.SIGKILL)
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        t.join(60)
+    assert not t.is_alive(), "a client call hung"
+    st = stats(svc)
+    assert st.service.worker_restarts >= 3
+    assert result["wrong"] == 0
+    assert result["hits"] > 100 and result["calls"] > 20
+    assert result["max_call"] < 20  # bounded: no call waited for its timeout
+    with KVCacheClient.connect("kw", home=home) as c:  # still serving after the restarts
+        keys = keys_of("after", 8)
+        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 8
+        with c.get(keys) as b:
+            assert check_batch(keys, b) == (8, 0, 0)
+
+
+def test_eviction_smaller_store_than_working_set(file_devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    devs = file_devices.make(2, dev_size(40))  # 80 slots for 1,000 distinct pages
+    make_store(home, "ev", devs, PS, service=ServiceConfig(client_buffers=16, max_clients=2))
+    svc = services(home, "ev")
+    rng = random.Random(7)
+    tot = [0, 0, 0]
+    with KVCacheClient.connect("ev", home=home) as c:
+        for r in range(1000 // 16):
+            keys = keys_of(f"ev{r}", 16)
+            c.put(keys, [page_bytes(k, PS) for k in keys], wait=rng.random() < 0.3)
+            old = keys_of(f"ev{rng.randrange(r + 1)}", 16)
+            with c.get(old) as b:
+                for i, x in enumerate(check_batch(old, b)):
+                    tot[i] += x
+    hits, misses, wrong = tot
+    assert wrong == 0
+    assert hits > 0 and misses > 0
+    st = stats(svc)
+    assert st.service.evictions > 500
+    assert st.service.own_slots_valid <= 80
+
+
+def test_bad_input_gets_clear_errors(file_devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    devs = file_devices.make(1, dev_size(64))
+    make_store(home, "bad", devs, PS, service=ServiceConfig(client_buffers=8, max_clients=2))
+    svc = services(home, "bad")
+    with KVCacheClient.connect("bad", home=home) as c:
+        with pytest.raises(ValueError, match=r"pages\[1\] has 100 bytes; this store's page_size is 16384"):
+            c.put([b"a", b"b"], [bytes(PS), bytes(100)])
+        with pytest.raises(TypeError, match=r"keys\[0\] must be bytes, got str"):
+            c.put(["a"], [bytes(PS)])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="2 keys but 1 pages"):
+            c.put([b"a", b"b"], [bytes(PS)])
+        with pytest.raises(ValueError, match="get of 9 keys exceeds max_batch 8"):
+            c.get(keys_of("x", 9))
+        with pytest.raises(TypeError, match="no buffer interface"):
+            c.put([b"a"], [object()])
+        # nothing was stored by the refused calls, and no buffer leaked
+        assert c.lookup([b"a", b"b"]) == 0 and c.free_buffers() == 8
+        # a put larger than a batch is split, and still works
+        ks = keys_of("split", 20)
+        assert c.put(ks, [page_bytes(k, PS) for k in ks], wait=True).stored == 20
+    with pytest.raises(StoreNotFound, match="store 'nope' not found"):
+        KVCacheClient.connect("nope", home=home)
+    # third client over max_clients=2 is refused with the reason
+    with KVCacheClient.connect("bad", home=home), KVCacheClient.connect("bad", home=home):
+        with pytest.raises(Exception, match="maximum of 2 clients"):
+            KVCacheClient.connect("bad", home=home)
+    # a client whose service died: ServiceLost, not a hang
+    c = KVCacheClient.connect("bad", home=home, timeout=30)
+    svc.kill()
+    t0 = time.monotonic()
+    with pytest.raises(ServiceLost, match="is gone"):
+        c.lookup([b"a"])
+    assert time.monotonic() - t0 < 5
+    c.close()
+    with pytest.raises(StoreNotFound, match="no service of store 'bad' runs here"):
+        KVCacheClient.connect("bad", home=home)
+    # restart after the crash: leftovers are cleaned and the pages are back
+    services(home, "bad")
+    with KVCacheClient.connect("bad", home=home) as c:
+        assert c.lookup(ks) == 20
