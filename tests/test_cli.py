@@ -1,0 +1,104 @@
+"""mass-ctl, driven as a user would: real processes, a temporary MASS_HOME, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore import KVCacheClient
+from kvstore.cli import main
+
+
+def run(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, MASS_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def env_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MASS_HOME", str(home))
+    return home
+
+
+def create(home: Path, store: str = "s1", *extra: str) -> int:
+    return main(["kvcache", "create", store, "--device", str(home / f"{store}.img"), "--device-size", "16MiB",
+                 "--page-size", "64KiB", "--server", "local", *extra])
+
+
+def test_create_status_and_refusals(env_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert create(env_home) == 0
+    out = capsys.readouterr().out
+    assert "created store s1" in out and "formatted" in out
+    # exists already
+    assert create(env_home) == 4
+    assert "already exists" in capsys.readouterr().err
+    # a device of another store is refused without --force, and left alone
+    assert main(["kvcache", "create", "s2", "--device", str(env_home / "s1.img"), "--page-size", "64KiB",
+                 "--server", "local"]) == 4
+    assert "already belongs to store 's1'" in capsys.readouterr().err
+    assert not (env_home / "stores" / "s2.toml").exists()
+    # bad page sizes and size strings
+    assert main(["kvcache", "create", "s3", "--device", str(env_home / "s3.img"), "--device-size", "16MiB",
+                 "--page-size", "5000", "--server", "local"]) == 2
+    assert "multiple of 4096" in capsys.readouterr().err
+    assert main(["kvcache", "create", "s3", "--device", str(env_home / "s3.img"), "--device-size", "16MiB",
+                 "--page-size", "lots", "--server", "local"]) == 2
+    assert "is not a size" in capsys.readouterr().err
+    # too small a device
+    assert main(["kvcache", "create", "s4", "--device", str(env_home / "s4.img"), "--device-size", "1MiB",
+                 "--page-size", "64KiB", "--server", "local"]) == 2
+    assert "too small" in capsys.readouterr().err
+    # missing device without --device-size
+    assert main(["kvcache", "create", "s5", "--device", str(env_home / "nope.img"), "--page-size", "64KiB",
+                 "--server", "local"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # bad names
+    assert main(["kvcache", "create", "Bad/Name", "--device", "x", "--page-size", "64KiB",
+                 "--server", "local"]) == 2
+    # status of a stopped store, and of an unknown one
+    assert main(["kvcache", "status", "s1", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["page_size"] == 65536 and st["servers"]["local"]["running"] is False
+    assert main(["kvcache", "status", "nope"]) == 3
+    assert "store 'nope' not found" in capsys.readouterr().err
+
+
+def test_connect_status_second_service_refused(env_home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    assert create(env_home) == 0
+    r = run(env_home, "kvcache", "connect", "s1", "--server", "intruder")
+    assert r.returncode == 4 and "'intruder' is not allowed" in r.stderr
+    assert run(env_home, "kvcache", "connect", "nope").returncode == 3
+    svc = services(env_home, "s1")
+    r = run(env_home, "kvcache", "connect", "s1")
+    assert r.returncode == 4 and "already runs here" in r.stderr
+    with KVCacheClient.connect("s1") as c:
+        c.put([b"a", b"b"], [bytes(c.page_size), bytes(c.page_size)], wait=True)
+        with c.get([b"a", b"zz"]) as b:
+            assert b.hits == 1
+    r = run(env_home, "kvcache", "status", "s1", "--json")
+    assert r.returncode == 0
+    st = json.loads(r.stdout)["servers"]["local"]
+    assert st["running"] and st["pid"] == svc.pid
+    assert st["stats"]["service"]["pages_written"] == 2
+    assert st["stats"]["service"]["hits"] == 1 and st["stats"]["service"]["misses"] == 1
+    r = run(env_home, "kvcache", "status", "s1")
+    assert "server local: running" in r.stdout and "hit rate 50.0%" in r.stdout
+    # Ctrl-C / SIGTERM stop the foreground service cleanly
+    assert svc.stop() == 0
+    assert not svc.leftovers()
+
+
+@pytest.mark.slow
+def test_quickstart_runs_and_leaves_nothing(home: Path) -> None:
+    before = set(os.listdir("/dev/shm"))
+    r = run(home, "kvcache", "quickstart", "--pages", "256", "--page-size", "64KiB", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "wrong pages: 0" in r.stdout
+    assert "hit rate" in r.stdout and "GB/s" in r.stdout
+    assert set(os.listdir("/dev/shm")) <= before
