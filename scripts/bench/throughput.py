@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Throughput and latency of kvstore against fio on the same device, in one run.
+
+    .venv/bin/python scripts/bench/throughput.py --target shm-loop --target disk-file \
+        --page-size 1MiB --size 1GiB --json bench-results/throughput.json
+
+For each target device it runs, back to back:
+
+0. an unmeasured sequential write over the whole device (first-touch allocation);
+1. fio, libaio + O_DIRECT, block size = one slot (4 KiB header + page), one job:
+   sequential write at queue depth ``max_inflight_writes`` (kvstore's write
+   limit), random read at queue depth ``read_queue_depth``, and random read at
+   queue depth 1 (single-request latency);
+2. kvstore through the client library: put of ``size`` bytes of pages (batches of
+   ``max_batch``, completion measured until every page is written), get of all
+   of them in random order (batches of ``max_batch``, every byte checked after
+   the timed part), then single-page gets for latency.
+
+It prints GB/s for both, the ratios, and get p50/p99 against fio's qd1 latency.
+Targets: ``shm-loop`` is a loop device over a file in /dev/shm (needs root;
+software overhead dominates), ``disk-file`` a plain file on the disk under
+``--dir``, ``PATH`` any existing device or file (its content is destroyed).
+Needs fio on PATH (scripts/setup installs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kvstore import KVCacheClient, ServiceConfig  # noqa: E402
+from kvstore._units import parse_size  # noqa: E402
+from kvstore.config import WorkerConfig  # noqa: E402
+from kvstore.shm.segment import Segment  # noqa: E402
+from kvstore.shm.stats import StatsBlock  # noqa: E402
+from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+
+
+def fio(dev: str, rw: str, bs: int, qd: int, size: int, offset: int, runtime: float | None = None) -> dict:
+    cmd = ["fio", "--name=b", f"--filename={dev}", "--ioengine=libaio", "--direct=1", f"--rw={rw}",
+           f"--bs={bs}", f"--iodepth={qd}", f"--size={size}", f"--offset={offset}", "--numjobs=1",
+           "--output-format=json", "--randrepeat=1", "--norandommap"]
+    if runtime:
+        cmd += [f"--runtime={runtime}", "--time_based"]
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    job = out["jobs"][0]
+    part = job["write"] if "write" in rw else job["read"]
+    pct = part["clat_ns"].get("percentile", {})
+    return {"gbps": part["bw_bytes"] / 1e9, "iops": part["iops"],
+            "p50_us": pct.get("50.000000", 0) / 1e3, "p99_us": pct.get("99.000000", 0) / 1e3}
+
+
+def make_target(kind: str, nbytes: int, workdir: Path) -> tuple[str, list[str]]:
+    """Create the device for a target; returns (path, cleanup commands)."""
+    if kind == "shm-loop":
+        f = Path(tempfile.mkdtemp(prefix="kvbench-", dir="/dev/shm")) / "dev.img"
+        with open(f, "wb") as fh:
+            fh.truncate(nbytes)
+        r = subprocess.run(["losetup", "--find", "--show", str(f)], capture_output=True, text=True, check=True)
+        loop = r.stdout.strip()
+        return loop, [f"losetup -d {loop}", f"rm -rf {f.parent}"]
+    if kind == "disk-file":
+        f = workdir / "dev.img"
+        with open(f, "wb") as fh:
+            fh.truncate(nbytes)
+        # allocate blocks so fio and kvstore both write allocated extents
+        subprocess.run(["fallocate", "-l", str(nbytes), str(f)], check=False)
+        return str(f), [f"rm -f {f}"]
+    return kind, []
+
+
+def run_target(kind: str, page_size: int, size: int, lat_samples: int) -> dict:
+    slot = 4096 + page_size
+    n = size // page_size
+    nbytes = (2 << 20) + (n + 64) * slot
+    work = Path(tempfile.mkdtemp(prefix="kvbench-", dir=os.environ.get("KVBENCH_DIR", "/var/tmp")))
+    dev, cleanup = make_target(kind, nbytes, work)
+    wcfg = WorkerConfig()
+    res: dict = {"target": kind, "device": dev, "page_size": page_size, "pages": n}
+    try:
+        data_off = 1 << 20
+        span = n * slot
+        # precondition: write the whole span once, unmeasured, so neither fio nor kvstore pays
+        # first-touch allocation (tmpfs pages behind a loop device, file extents) in its figures
+        fio(dev, "write", 1 << 20, 8, nbytes - data_off, data_off)
+        res["fio_write"] = fio(dev, "write", slot, wcfg.max_inflight_writes, span, data_off)
+        res["fio_randread"] = fio(dev, "randread", slot, wcfg.read_queue_depth, span, data_off)
+        res["fio_randread_qd1"] = fio(dev, "randread", slot, 1, span, data_off, runtime=3)
+        home = work / "mass"
+        home.mkdir()
+        make_store(home, "bench", [dev], page_size, service=ServiceConfig(client_buffers=64, max_clients=2),
+                   worker=wcfg, force=True)
+        with ServiceProcess(home, "bench") as svc:
+            pages = [np.random.default_rng(i).integers(0, 256, page_size, dtype=np.uint8) for i in range(8)]
+            keys = [b"bench/%d" % i for i in range(n)]
+            seg = Segment.attach(svc.prefix + "stats")
+            sb = StatsBlock.attach(seg.buf)
+            with KVCacheClient.connect("bench", home=home) as c:
+                mb = c.max_batch
+                t0 = time.perf_counter()
+                for s in range(0, n, mb):
+                    c.put(keys[s:s + mb], [pages[(s + j) % 8] for j in range(min(mb, n - s))])
+                while sb.snapshot().service.pages_written + sb.snapshot().service.put_dropped < n:
+                    time.sleep(0.0005)
+                t_put = time.perf_counter() - t0
+                written = sb.snapshot().service.pages_written
+                order = list(range(n))
+                random.Random(1).shuffle(order)
+                t0 = time.perf_counter()
+                hits = 0
+                for s in range(0, n, mb):
+                    with c.get([keys[i] for i in order[s:s + mb]]) as b:
+                        hits += b.hits
+                t_get = time.perf_counter() - t0
+                # correctness after the timed part: every page byte for byte
+                wrong = 0
+                for s in range(0, n, mb):
+                    idx = order[s:s + mb]
+                    with c.get([keys[i] for i in idx]) as b:
+                        for i, v in zip(idx, b):
+                            if v is not None and not np.array_equal(np.frombuffer(v, np.uint8), pages[i % 8]):
+                                wrong += 1
+                lat = []
+                for j in range(lat_samples):
+                    k = keys[order[j % n]]
+                    t1 = time.perf_counter()
+                    with c.get([k]):
+                        pass
+                    lat.append(time.perf_counter() - t1)
+            del sb
+            seg.close()
+        lat.sort()
+        res["kvstore_put"] = {"gbps": written * page_size / t_put / 1e9, "pages_written": written}
+        res["kvstore_get"] = {"gbps": hits * page_size / t_get / 1e9, "hits": hits, "wrong": wrong}
+        res["kvstore_get_qd1"] = {"p50_us": statistics.median(lat) * 1e6,
+                                  "p99_us": lat[int(len(lat) * 0.99) - 1] * 1e6}
+        res["ratio_put_vs_fio_write"] = res["kvstore_put"]["gbps"] / res["fio_write"]["gbps"]
+        res["ratio_get_vs_fio_randread"] = res["kvstore_get"]["gbps"] / res["fio_randread"]["gbps"]
+        res["get_p50_budget_us"] = 2 * res["fio_randread_qd1"]["p50_us"] + 100
+    finally:
+        for cmd in cleanup:
+            subprocess.run(cmd, shell=True, check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", action="append", help="shm-loop, disk-file or a device PATH (repeatable)")
+    ap.add_argument("--page-size", default="1MiB")
+    ap.add_argument("--size", default="1GiB", help="payload bytes written and read per target")
+    ap.add_argument("--latency-samples", type=int, default=500)
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    if shutil.which("fio") is None:
+        print("fio is not installed (scripts/setup installs it)", file=sys.stderr)
+        return 2
+    targets = a.target or ["shm-loop", "disk-file"]
+    results = []
+    for t in targets:
+        if t == "shm-loop" and os.geteuid() != 0:
+            print("skipping shm-loop: loop devices need root", file=sys.stderr)
+            continue
+        r = run_target(t, parse_size(a.page_size), parse_size(a.size), a.latency_samples)
+        results.append(r)
+        print(f"\n== {t}: {r['pages']} pages of {r['page_size'] >> 10} KiB")
+        print(f"  fio write   qd{WorkerConfig().max_inflight_writes:<3}      {r['fio_write']['gbps']:6.2f} GB/s")
+        print(f"  kvstore put              {r['kvstore_put']['gbps']:6.2f} GB/s   ratio {r['ratio_put_vs_fio_write']:.2f}")
+        print(f"  fio randread qd{WorkerConfig().read_queue_depth:<3}     {r['fio_randread']['gbps']:6.2f} GB/s")
+        print(f"  kvstore get              {r['kvstore_get']['gbps']:6.2f} GB/s   ratio {r['ratio_get_vs_fio_randread']:.2f}"
+              f"   (wrong pages: {r['kvstore_get']['wrong']})")
+        print(f"  fio randread qd1   p50 {r['fio_randread_qd1']['p50_us']:8.1f} us  p99 {r['fio_randread_qd1']['p99_us']:8.1f} us")
+        print(f"  kvstore get 1 page p50 {r['kvstore_get_qd1']['p50_us']:8.1f} us  p99 {r['kvstore_get_qd1']['p99_us']:8.1f} us"
+              f"   (target p50 <= {r['get_p50_budget_us']:.1f} us)")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"machine": {"cpus": os.cpu_count()}, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
