@@ -110,8 +110,8 @@ def cmd_status(a: argparse.Namespace) -> int:
                 st = StatsBlock.attach(seg.buf).snapshot()
                 entry["stats"] = dataclasses.asdict(st)
                 del st
-            except Exception as e:  # a service between start and ready
-                entry["stats_error"] = str(e)
+            except Exception as exc:  # a service between start and ready
+                entry["stats_error"] = str(exc)
         out["servers"][name] = entry
     if a.json:
         print(json.dumps(out, indent=2))
@@ -119,14 +119,14 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"store {cfg.name}  uuid {cfg.uuid}  page size {format_size(cfg.page_size)}")
     for i, d in enumerate(cfg.devices):
         print(f"  device {i}: {d}")
-    for name, e in out["servers"].items():
-        if not e["running"]:
+    for name, srv in out["servers"].items():
+        if not srv["running"]:
             print(f"server {name}: not running")
             continue
-        sv = e.get("stats", {}).get("service", {})
+        sv = srv.get("stats", {}).get("service", {})
         gets = sv.get("hits", 0) + sv.get("misses", 0)
         hr = sv.get("hits", 0) / gets if gets else 0.0
-        print(f"server {name}: running (pid {e['pid']})")
+        print(f"server {name}: running (pid {srv['pid']})")
         print(f"  slots   {sv.get('own_slots_valid', 0)}/{sv.get('own_slots', 0)} own used, "
               f"{sv.get('slots_valid', 0)}/{sv.get('slots_total', 0)} in store")
         print(f"  gets    {gets} pages, hit rate {hr:.1%}; read {format_size(sv.get('bytes_read', 0))}")

@@ -91,7 +91,10 @@ class PageBatch(Sequence["memoryview | None"]):
         self._released = True
         for v in self._views:
             if v is not None:
-                v.release()
+                try:
+                    v.release()
+                except BufferError:
+                    pass  # something (e.g. a numpy array) still exports it; the buffer is recycled anyway
         self._client._free_buffers(self._bufs)
 
     def __enter__(self) -> PageBatch:
@@ -406,10 +409,13 @@ class KVCacheClient:
             views.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
         counts = {P.R_STORED: 0, P.R_QUEUED: 0, P.R_SKIPPED: 0, P.R_DROPPED: 0}
         deadline = self._deadline(timeout)
+        # Sub-batches of a quarter lease: while the service writes one, the next is being
+        # copied in. A whole-lease batch would wait for every write of the previous one.
+        step = max(1, self.max_batch // 4)
         with self._lock:
             self._check_open()
-            for start in range(0, len(keys), self.max_batch):
-                n = min(self.max_batch, len(keys) - start)
+            for start in range(0, len(keys), step):
+                n = min(step, len(keys) - start)
                 self._keys(keys, start, n)
                 bufs = self._alloc(n, deadline)
                 ch = self._chan

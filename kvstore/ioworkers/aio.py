@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ._aio import ffi, lib  # type: ignore[import-not-found]
+from ._aio import ffi, lib
 
 OP_READ = 0
 OP_WRITE = 1

@@ -316,7 +316,8 @@ class Supervisor:
         nb = self.cfg.service.client_buffers
         start = cid * nb
         for i in range(start, start + nb):
-            self.arena.set_state(i, A.FREE)
+            if self.arena.state(i) != A.QUARANTINE:  # a hung worker's buffers stay out until it is reaped
+                self.arena.set_state(i, A.FREE)
         seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb))
         sem_name = self.prefix + f"c{cid}.s"
         sem = create_semaphore(sem_name)
@@ -566,7 +567,7 @@ class Supervisor:
     def _check_workers(self) -> None:
         now = time.monotonic()
         tmo = self.cfg.worker.io_timeout_s
-        oldest = {}
+        oldest: dict[int, float] = {}
         for op in self.pending.values():
             oldest[op.device] = min(oldest.get(op.device, now), op.t0)
         for w in self.workers:

@@ -132,9 +132,10 @@ class Ring:
         head = int(self._head[0])
         n = min(int(LIB.kv_load_acquire_u64(self._tail)) - head, max_n)
         if n <= 0:
-            return self._recs[:0].copy()
+            empty: np.ndarray[Any, Any] = self._recs[:0].copy()
+            return empty
         idx = (np.arange(head, head + n, dtype=np.uint64) & np.uint64(self._mask)).astype(np.intp)
-        out = self._recs[idx]  # fancy indexing copies
+        out: np.ndarray[Any, Any] = self._recs[idx]  # fancy indexing copies
         LIB.kv_store_release_u64(self._head, head + n)
         return out
 

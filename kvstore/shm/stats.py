@@ -152,8 +152,8 @@ class Histogram:
         for b, c in enumerate(self.buckets):
             acc += c
             if acc >= rank:
-                return (2 ** b) * 1e-6
-        return (2 ** (len(self.buckets) - 1)) * 1e-6
+                return float(2 ** b) * 1e-6
+        return float(2 ** (len(self.buckets) - 1)) * 1e-6
 
 
 @dataclass(frozen=True)
