@@ -11,7 +11,8 @@ For each target device it runs, back to back:
    sequential write at queue depth ``max_inflight_writes`` (kvstore's write
    limit), random read at queue depth ``read_queue_depth``, and random read at
    queue depth 1 (single-request latency);
-2. kvstore through the client library: put of ``size`` bytes of pages (batches of
+2. kvstore through the client library (fio and kvstore alternate, ``--repeat`` times;
+   medians of the figures and of the per-repetition ratios are reported): put of ``size`` bytes of pages (batches of
    ``max_batch``, completion measured until every page is written), get of all
    of them in random order (batches of ``max_batch``, every byte checked after
    the timed part), then single-page gets for latency.
@@ -82,7 +83,7 @@ def make_target(kind: str, nbytes: int, workdir: Path) -> tuple[str, list[str]]:
     return kind, []
 
 
-def run_target(kind: str, page_size: int, size: int, lat_samples: int) -> dict:
+def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: int) -> dict:
     slot = 4096 + page_size
     n = size // page_size
     nbytes = (2 << 20) + (n + 64) * slot
@@ -96,59 +97,76 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int) -> dict:
         # precondition: write the whole span once, unmeasured, so neither fio nor kvstore pays
         # first-touch allocation (tmpfs pages behind a loop device, file extents) in its figures
         fio(dev, "write", 1 << 20, 8, nbytes - data_off, data_off)
-        res["fio_write"] = fio(dev, "write", slot, wcfg.max_inflight_writes, span, data_off)
-        res["fio_randread"] = fio(dev, "randread", slot, wcfg.read_queue_depth, span, data_off)
-        res["fio_randread_qd1"] = fio(dev, "randread", slot, 1, span, data_off, runtime=3)
         home = work / "mass"
         home.mkdir()
         make_store(home, "bench", [dev], page_size, service=ServiceConfig(client_buffers=64, max_clients=2),
                    worker=wcfg, force=True)
+        runs: dict[str, list[dict]] = {k: [] for k in ("fio_write", "fio_randread", "fio_randread_qd1",
+                                                       "kvstore_put", "kvstore_get", "kvstore_get_qd1")}
+        wrong_total = 0
         with ServiceProcess(home, "bench") as svc:
             pages = [np.random.default_rng(i).integers(0, 256, page_size, dtype=np.uint8) for i in range(8)]
-            keys = [b"bench/%d" % i for i in range(n)]
             seg = Segment.attach(svc.prefix + "stats")
             sb = StatsBlock.attach(seg.buf)
             with KVCacheClient.connect("bench", home=home) as c:
                 mb = c.max_batch
-                t0 = time.perf_counter()
-                for s in range(0, n, mb):
-                    c.put(keys[s:s + mb], [pages[(s + j) % 8] for j in range(min(mb, n - s))])
-                while sb.snapshot().service.pages_written + sb.snapshot().service.put_dropped < n:
-                    time.sleep(0.0005)
-                t_put = time.perf_counter() - t0
-                written = sb.snapshot().service.pages_written
-                order = list(range(n))
-                random.Random(1).shuffle(order)
-                t0 = time.perf_counter()
-                hits = 0
-                for s in range(0, n, mb):
-                    with c.get([keys[i] for i in order[s:s + mb]]) as b:
-                        hits += b.hits
-                t_get = time.perf_counter() - t0
-                # correctness after the timed part: every page byte for byte
-                wrong = 0
-                for s in range(0, n, mb):
-                    idx = order[s:s + mb]
-                    with c.get([keys[i] for i in idx]) as b:
-                        for i, v in zip(idx, b):
-                            if v is not None and not np.array_equal(np.frombuffer(v, np.uint8), pages[i % 8]):
-                                wrong += 1
-                lat = []
-                for j in range(lat_samples):
-                    k = keys[order[j % n]]
-                    t1 = time.perf_counter()
-                    with c.get([k]):
-                        pass
-                    lat.append(time.perf_counter() - t1)
-            del sb
+                # fio and kvstore alternate within each repetition, so a noisy neighbour
+                # slows both sides of a ratio alike; the medians are reported
+                for rep in range(repeat):
+                    keys = [b"bench/%d/%d" % (rep, i) for i in range(n)]
+                    runs["fio_write"].append(fio(dev, "write", slot, wcfg.max_inflight_writes, span, data_off))
+                    base = sb.snapshot().service
+                    done0 = base.pages_written + base.put_dropped
+                    t0 = time.perf_counter()
+                    for s in range(0, n, mb):
+                        c.put(keys[s:s + mb], [pages[(s + j) % 8] for j in range(min(mb, n - s))])
+                    while (lambda v: v.pages_written + v.put_dropped)(sb.snapshot().service) - done0 < n:
+                        time.sleep(0.0005)
+                    t_put = time.perf_counter() - t0
+                    written = sb.snapshot().service.pages_written - base.pages_written
+                    runs["kvstore_put"].append({"gbps": written * page_size / t_put / 1e9, "pages": written})
+                    runs["fio_randread"].append(fio(dev, "randread", slot, wcfg.read_queue_depth, span, data_off))
+                    order = list(range(n))
+                    random.Random(rep).shuffle(order)
+                    t0 = time.perf_counter()
+                    hits = 0
+                    for s in range(0, n, mb):
+                        with c.get([keys[i] for i in order[s:s + mb]]) as b:
+                            hits += b.hits
+                    t_get = time.perf_counter() - t0
+                    runs["kvstore_get"].append({"gbps": hits * page_size / t_get / 1e9, "hits": hits})
+                    # correctness after the timed part: every page byte for byte
+                    for s in range(0, n, mb):
+                        idx = order[s:s + mb]
+                        with c.get([keys[i] for i in idx]) as b:
+                            for i, v in zip(idx, b):
+                                if v is not None and not np.array_equal(np.frombuffer(v, np.uint8), pages[i % 8]):
+                                    wrong_total += 1
+                    runs["fio_randread_qd1"].append(fio(dev, "randread", slot, 1, span, data_off, runtime=2))
+                    lat = []
+                    for j in range(lat_samples):
+                        t1 = time.perf_counter()
+                        with c.get([keys[order[j % n]]]):
+                            pass
+                        lat.append(time.perf_counter() - t1)
+                    lat.sort()
+                    runs["kvstore_get_qd1"].append({"p50_us": statistics.median(lat) * 1e6,
+                                                    "p99_us": lat[int(len(lat) * 0.99) - 1] * 1e6})
+            snap = sb.snapshot()
+            res["service_get_p50_us_bucket"] = snap.get_latency.percentile(50) * 1e6
+            res["worker_read_p50_us_bucket"] = snap.read_latency[0].percentile(50) * 1e6
+            res["worker_write_p50_us_bucket"] = snap.write_latency[0].percentile(50) * 1e6
+            del sb, snap
             seg.close()
-        lat.sort()
-        res["kvstore_put"] = {"gbps": written * page_size / t_put / 1e9, "pages_written": written}
-        res["kvstore_get"] = {"gbps": hits * page_size / t_get / 1e9, "hits": hits, "wrong": wrong}
-        res["kvstore_get_qd1"] = {"p50_us": statistics.median(lat) * 1e6,
-                                  "p99_us": lat[int(len(lat) * 0.99) - 1] * 1e6}
-        res["ratio_put_vs_fio_write"] = res["kvstore_put"]["gbps"] / res["fio_write"]["gbps"]
-        res["ratio_get_vs_fio_randread"] = res["kvstore_get"]["gbps"] / res["fio_randread"]["gbps"]
+        res["runs"] = runs
+        med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if isinstance(v[0][f], float)}
+               for k, v in runs.items()}
+        res.update(med)
+        res["kvstore_get"]["wrong"] = wrong_total
+        res["ratio_put_vs_fio_write"] = statistics.median(
+            k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_put"], runs["fio_write"]))
+        res["ratio_get_vs_fio_randread"] = statistics.median(
+            k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_get"], runs["fio_randread"]))
         res["get_p50_budget_us"] = 2 * res["fio_randread_qd1"]["p50_us"] + 100
     finally:
         for cmd in cleanup:
@@ -163,6 +181,7 @@ def main() -> int:
     ap.add_argument("--page-size", default="1MiB")
     ap.add_argument("--size", default="1GiB", help="payload bytes written and read per target")
     ap.add_argument("--latency-samples", type=int, default=500)
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     if shutil.which("fio") is None:
@@ -174,7 +193,7 @@ def main() -> int:
         if t == "shm-loop" and os.geteuid() != 0:
             print("skipping shm-loop: loop devices need root", file=sys.stderr)
             continue
-        r = run_target(t, parse_size(a.page_size), parse_size(a.size), a.latency_samples)
+        r = run_target(t, parse_size(a.page_size), parse_size(a.size), a.latency_samples, a.repeat)
         results.append(r)
         print(f"\n== {t}: {r['pages']} pages of {r['page_size'] >> 10} KiB")
         print(f"  fio write   qd{WorkerConfig().max_inflight_writes:<3}      {r['fio_write']['gbps']:6.2f} GB/s")
@@ -185,6 +204,8 @@ def main() -> int:
         print(f"  fio randread qd1   p50 {r['fio_randread_qd1']['p50_us']:8.1f} us  p99 {r['fio_randread_qd1']['p99_us']:8.1f} us")
         print(f"  kvstore get 1 page p50 {r['kvstore_get_qd1']['p50_us']:8.1f} us  p99 {r['kvstore_get_qd1']['p99_us']:8.1f} us"
               f"   (target p50 <= {r['get_p50_budget_us']:.1f} us)")
+        print(f"  inside: worker read p50 <= {r['worker_read_p50_us_bucket']:.0f} us, supervisor get p50 <= "
+              f"{r['service_get_p50_us_bucket']:.0f} us (log2 buckets, all gets)")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"machine": {"cpus": os.cpu_count()}, "results": results}, indent=2))
