@@ -1,12 +1,13 @@
 """Slot allocation in this server's own areas: free lists, CLOCK eviction, retirement, pins.
 
 Retirement rule (DESIGN.md "Space reuse"): a slot is first marked RETIRED in
-the slot table and removed from the key index, with its generation bumped (the
-tombstone peers will see), and only then may it be overwritten, once no local
-read pins it and ``grace_s`` has passed for readers on other servers. The
-reverse order (overwrite, then unindex) would let a lookup that raced the
-overwrite hand out a location whose bytes are changing; header validation
-would still catch it, but as a miss the engine could have avoided.
+the slot table, with its generation bumped (the tombstone peers will see);
+from that moment the key index no longer finds it (an entry counts only while
+its slot is VALID). Only then may it be overwritten, once no local read pins it
+and ``grace_s`` has passed for readers on other servers. The reverse order
+(overwrite, then retire) would let a lookup that raced the overwrite hand out a
+location whose bytes are changing; header validation would still catch it, but
+as a miss the engine could have avoided.
 
 CLOCK never picks a pinned slot, and a RETIRED slot cannot gain a pin (only
 VALID slots are found by lookup), so with ``grace_s == 0`` a retired slot is
@@ -72,14 +73,14 @@ class Allocator:
     """
 
     def __init__(self, slots: np.ndarray[Any, Any], own: Sequence[range], gens: Sequence[Generations],
-                 unindex: Callable[[int], None], grace_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``own[d]`` is the gid range of this server's area on device ``d``; ``unindex(gid)``
-        removes a slot's key from the key index."""
+                 grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 on_retire: Callable[[int], None] | None = None) -> None:
+        """``own[d]`` is the gid range of this server's area on device ``d``; ``on_retire(gid)``
+        is told of every tombstone (the sync agent publishes it)."""
         self.slots = slots
         self.own = list(own)
         self.gens = list(gens)
-        self.unindex = unindex
+        self.on_retire = on_retire
         self.grace_s = grace_s
         self.clock = clock
         n = len(slots)
@@ -108,12 +109,13 @@ class Allocator:
         self.ref[gids] = 1
 
     def retire(self, gid: int, device: int) -> None:
-        """Retire an own VALID slot: unindex, tombstone generation, quarantine until safe."""
-        self.unindex(gid)
+        """Retire an own VALID slot: tombstone generation (unindexes it), quarantine until safe."""
         s = self.slots[gid]
         s["gen"] = self.gens[device].next()
         s["state"] = RETIRED
         self.quarantine[device].append((gid, self.clock() + self.grace_s))
+        if self.on_retire is not None:
+            self.on_retire(gid)
 
     def _from_quarantine(self, device: int) -> int:
         q = self.quarantine[device]
@@ -176,8 +178,7 @@ class Allocator:
         self.free[device].append(gid)
 
     def drop(self, gid: int, device: int | None) -> None:
-        """A read of ``gid`` failed validation: forget the location (own slots become free)."""
-        self.unindex(gid)
+        """A read of ``gid`` failed validation: forget the location (own slots are retired)."""
         if device is not None and self.slots["state"][gid] == VALID:
             self.retire(gid, device)
         elif self.slots["state"][gid] == VALID:

@@ -216,16 +216,13 @@ class Supervisor:
             # rebuild from headers, then index: other areas first so our own copy wins a duplicate
             rep = scan_devices(cfg.devices, self.sbs, self.smap, self.slots)
             self.index = KeyIndex(entries, self.slots, init=True)
-            order = [(d, a) for d in range(self.smap.n_devices) for a in range(self.smap.n_areas) if a != self.area]
-            order += [(d, self.area) for d in range(self.smap.n_devices)]
-            for d, a in order:
-                r = self.smap.area_gids(d, a)
-                for gid in np.nonzero(self.slots["state"][r.start:r.stop] == VALID)[0] + r.start:
-                    e = self.slots[gid]
-                    self.index.insert(np.array([e["d0"], e["d1"], e["d2"], e["d3"]], dtype=np.uint64), int(gid))
+            self.index.rebuild()
             gens = [Generations(rep.max_gen[d][self.area]) for d in range(self.smap.n_devices)]
             self.own = [self.smap.area_gids(d, self.area) for d in range(self.smap.n_devices)]
-            self.alloc = Allocator(self.slots, self.own, gens, self._unindex, cfg.service.retire_grace_s)
+            self.local = np.zeros(total, dtype=bool)  # own slots: preferred when a key has several copies
+            for r in self.own:
+                self.local[r.start:r.stop] = True
+            self.alloc = Allocator(self.slots, self.own, gens, cfg.service.retire_grace_s)
             self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
                           seconds=round(rep.seconds, 3))
             for d, path in enumerate(cfg.devices):
@@ -273,9 +270,6 @@ class Supervisor:
         self.lsock = s
 
     # ---- index helpers ----------------------------------------------------------------------
-    def _unindex(self, gid: int) -> None:
-        self.index.remove(int(self.slots["d0"][gid]), gid)
-
     def _own_device(self, gid: int) -> int | None:
         d, a, _s = self.smap.locate(gid)
         return d if a == self.area else None
@@ -414,7 +408,7 @@ class Supervisor:
         return self._put(req, words)
 
     def _lookup(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        gids = self.index.lookup(words)
+        gids = self.index.lookup(words, self.local)
         hit = gids >= 0
         req.conn.chan.results[:req.count] = np.where(hit, P.R_HIT, P.R_MISS)
         if hit.any():
@@ -443,7 +437,7 @@ class Supervisor:
 
     def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
         ch = req.conn.chan
-        gids = self.index.lookup(words)
+        gids = self.index.lookup(words, self.local)
         ch.results[:req.count] = P.R_MISS
         self.stats.add("gets")
         found = np.nonzero(gids >= 0)[0]
@@ -458,7 +452,7 @@ class Supervisor:
         ch = req.conn.chan
         n = req.count
         wait = bool(req.flags & P.FLAG_WAIT)
-        present = self.index.lookup(words) >= 0
+        present = self.index.lookup(words, self.local) >= 0
         self.stats.add("puts")
         self.stats.add("put_pages", n)
         seen: set[bytes] = set()

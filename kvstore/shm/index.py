@@ -1,16 +1,24 @@
 """The key index: key digest -> global slot id, an open-addressing hash table in shm.
 
 Layout (docs/FORMAT.md "Key index"): ``capacity`` (a power of two, at least
-twice the slot count, so the load factor stays <= 0.5) entries of 16 bytes::
+twice the slot count) entries of 16 bytes::
 
     off size field
       0    8  tag   u64, first 8 bytes of the key digest
       8    8  gid   i64, global slot id; -1 = empty
 
-Linear probing; deletion shifts later entries back (no tombstones), so a probe
-stops at the first empty entry. The tag only narrows the search: a candidate
-counts as a hit only when the slot table holds the full 32-byte digest and the
-slot is VALID. The supervisor is the only writer.
+Linear probing. The slot table is the truth: an entry counts only while its
+slot is VALID and holds a digest whose first word is the entry's tag, and a
+hit needs the full 32-byte digest to match. So nothing is ever deleted here:
+when a slot is retired or rewritten its entry simply stops counting
+("garbage"), inserts reuse garbage entries on their probe path, and the table
+is rebuilt from the slot table when used entries pass 3/4 of the capacity.
+Why not delete eagerly: merging peers' updates must stay vectorized (numpy over
+whole batches), and back-shift deletion is inherently one entry at a time.
+
+A key may have several entries (copies in several areas). ``lookup`` prefers
+a copy in a ``local`` slot, and falls back to another when one is retired.
+The supervisor is the only writer.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import numpy as np
 from .slots import VALID
 
 ENTRY_DTYPE = np.dtype([("tag", "<u8"), ("gid", "<i8")])
+REBUILD_FILL = 0.75
 
 
 def index_capacity(total_slots: int) -> int:
@@ -39,17 +48,17 @@ class IndexStatistics:
 
     capacity: int
     """Entries in the table."""
-    entries: int
-    """Keys indexed."""
-    max_probe: int
-    """Longest probe sequence any insert needed (bounds a lookup)."""
+    used: int
+    """Entries holding a gid (live or garbage)."""
+    rebuilds: int
+    """Times the table was rebuilt from the slot table."""
 
 
 class KeyIndex:
-    """Open-addressing table over ``entries`` (numpy view) checked against ``slots``.
+    """Open-addressing table over ``entries`` (numpy view), checked against ``slots``.
 
-    Invariant: every key with a VALID slot that was inserted and not removed is
-    found by probing from ``tag & mask`` before the first empty entry.
+    Invariant: every VALID slot's key has an entry reachable by probing from
+    ``tag & mask`` before the first empty entry.
     """
 
     def __init__(self, entries: np.ndarray[Any, Any], slots: np.ndarray[Any, Any], *, init: bool) -> None:
@@ -62,97 +71,110 @@ class KeyIndex:
         if init:
             self.e["gid"] = -1
             self.e["tag"] = 0
-        self.count = int(np.count_nonzero(self.e["gid"] >= 0))
-        self.max_probe = 0
+        self.used = int(np.count_nonzero(self.e["gid"] >= 0))
+        self.rebuilds = 0
 
-    def lookup(self, words: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """Global slot ids (``-1`` for a miss) of ``n x 4`` u64 digest words, vectorized."""
+    def _live(self, gids: np.ndarray[Any, Any], tags: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        s = self.slots[np.maximum(gids, 0)]
+        return (gids >= 0) & (s["state"] == VALID) & (s["d0"] == tags)
+
+    def lookup(self, words: np.ndarray[Any, Any], local: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any]:
+        """Global slot ids (``-1`` for a miss) of ``n x 4`` u64 digest words, vectorized.
+
+        Args:
+            words: digests as four little-endian u64 each.
+            local: optional bool per slot; a hit in a local slot is preferred to others.
+        """
         n = len(words)
         res = np.full(n, -1, dtype=np.int64)
         if n == 0:
             return res
-        tags = words[:, 0]
+        tags = np.ascontiguousarray(words[:, 0])
         pos = (tags & np.uint64(self.mask)).astype(np.int64)
         active = np.arange(n)
-        for _ in range(self.max_probe + 1):
+        for _ in range(self.capacity):
             p = pos[active]
             g = self.e["gid"][p]
             t = self.e["tag"][p]
             empty = g < 0
             cand = ~empty & (t == tags[active])
-            hit = np.zeros(len(active), dtype=bool)
+            settled = empty.copy()
             if cand.any():
                 ci = np.nonzero(cand)[0]
                 s = self.slots[g[ci]]
                 w = words[active[ci]]
                 ok = ((s["d0"] == w[:, 0]) & (s["d1"] == w[:, 1]) & (s["d2"] == w[:, 2])
                       & (s["d3"] == w[:, 3]) & (s["state"] == VALID))
-                hit[ci[ok]] = True
-                res[active[ci[ok]]] = g[ci[ok]]
-            active = active[~(empty | hit)]
+                hit_rows = active[ci[ok]]
+                hit_gids = g[ci[ok]]
+                if local is None:
+                    res[hit_rows] = hit_gids
+                    settled[ci[ok]] = True
+                else:
+                    is_local = local[hit_gids]
+                    better = (res[hit_rows] < 0) | is_local
+                    res[hit_rows[better]] = hit_gids[better]
+                    settled[ci[ok][is_local]] = True  # a local copy ends the search
+            active = active[~settled]
             if not len(active):
                 break
             pos[active] = (pos[active] + 1) & self.mask
         return res
 
-    def _find_gid(self, tag: int, gid: int) -> int:
-        p = tag & self.mask
-        for _ in range(self.capacity):
-            g = int(self.e["gid"][p])
-            if g < 0:
-                return -1
-            if g == gid:
-                return p
-            p = (p + 1) & self.mask
-        return -1
+    def insert_many(self, words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any]) -> None:
+        """Index slots ``gids`` under digests ``words`` (``n x 4`` u64), vectorized.
 
-    def insert(self, words: np.ndarray[Any, Any], gid: int) -> None:
-        """Index slot ``gid`` under the digest ``words`` (4 u64). A key may map to one slot:
-        an existing entry for the same digest is replaced.
-
-        Raises:
-            RuntimeError: the table is full (cannot happen at load factor <= 0.5).
+        Each item takes the first entry on its probe path that is empty, garbage,
+        or already points at its slot; items racing for one entry in the same
+        round are ordered by position in the batch.
         """
-        tag = int(words[0])
-        p = tag & self.mask
-        for dist in range(self.capacity):
-            g = int(self.e["gid"][p])
-            if g < 0:
-                self.e[p] = (tag, gid)
-                self.count += 1
-                self.max_probe = max(self.max_probe, dist)
+        n = len(gids)
+        if n == 0:
+            return
+        if self.used + n > REBUILD_FILL * self.capacity:
+            self.rebuild()
+            return  # the rebuild indexed every VALID slot, these included
+        tags = np.ascontiguousarray(words[:, 0]).astype(np.uint64)
+        gids = np.asarray(gids, dtype=np.int64)
+        pos = (tags & np.uint64(self.mask)).astype(np.int64)
+        pending = np.arange(n)
+        for _ in range(self.capacity):
+            p = pos[pending]
+            g = self.e["gid"][p]
+            t = self.e["tag"][p]
+            free = (g < 0) | ~self._live(g, t) | (g == gids[pending])
+            placed = np.zeros(len(pending), dtype=bool)
+            if free.any():
+                fi = np.nonzero(free)[0]
+                _, first = np.unique(p[fi], return_index=True)
+                win = fi[first]
+                wp = p[win]
+                self.used += int(np.count_nonzero(self.e["gid"][wp] < 0))
+                self.e["tag"][wp] = tags[pending[win]]
+                self.e["gid"][wp] = gids[pending[win]]
+                placed[win] = True
+            pending = pending[~placed]
+            if not len(pending):
                 return
-            if int(self.e["tag"][p]) == tag:
-                s = self.slots[g]
-                if (int(s["d0"]), int(s["d1"]), int(s["d2"]), int(s["d3"])) == tuple(int(x) for x in words) \
-                        or g == gid:
-                    self.e[p] = (tag, gid)
-                    return
-            p = (p + 1) & self.mask
+            pos[pending] = (pos[pending] + 1) & self.mask
         raise RuntimeError("key index full")
 
-    def remove(self, tag: int, gid: int) -> bool:
-        """Remove the entry for slot ``gid`` (whose digest starts with ``tag``); True if found."""
-        p = self._find_gid(tag, gid)
-        if p < 0:
-            return False
-        # backward-shift deletion: move later entries of the cluster into the hole
-        # when their home position is not between the hole and themselves.
-        hole = p
-        q = (p + 1) & self.mask
-        while True:
-            g = int(self.e["gid"][q])
-            if g < 0:
-                break
-            home = int(self.e["tag"][q]) & self.mask
-            if ((q - home) & self.mask) >= ((q - hole) & self.mask):
-                self.e[hole] = self.e[q]
-                hole = q
-            q = (q + 1) & self.mask
-        self.e[hole] = (0, -1)
-        self.count -= 1
-        return True
+    def insert(self, words: np.ndarray[Any, Any], gid: int) -> None:
+        """Index one slot (see ``insert_many``)."""
+        self.insert_many(np.asarray(words, dtype=np.uint64).reshape(1, 4), np.array([gid], dtype=np.int64))
+
+    def rebuild(self) -> None:
+        """Drop every entry and index all VALID slots again (clears the garbage)."""
+        self.e["gid"] = -1
+        self.e["tag"] = 0
+        self.used = 0
+        self.rebuilds += 1
+        valid = np.nonzero(self.slots["state"] == VALID)[0]
+        if len(valid):
+            s = self.slots[valid]
+            words = np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1)
+            self.insert_many(words, valid.astype(np.int64))
 
     def statistics(self) -> IndexStatistics:
-        """Capacity, entries and the longest probe."""
-        return IndexStatistics(self.capacity, self.count, self.max_probe)
+        """Capacity, used entries, rebuilds."""
+        return IndexStatistics(self.capacity, self.used, self.rebuilds)

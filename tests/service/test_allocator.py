@@ -8,11 +8,11 @@ from kvstore.shm.slots import RETIRED, SLOT_DTYPE, VALID, WRITING
 
 def make(n: int = 4, grace: float = 0.0, clock: list[float] | None = None) -> tuple[Allocator, list[int]]:
     slots = np.zeros(n, SLOT_DTYPE)
-    unindexed: list[int] = []
+    retired: list[int] = []
     t = clock if clock is not None else [0.0]
-    a = Allocator(slots, [range(0, n)], [Generations(0, clock=lambda: 0)], unindexed.append, grace,
-                  clock=lambda: t[0])
-    return a, unindexed
+    a = Allocator(slots, [range(0, n)], [Generations(0, clock=lambda: 0)], grace, clock=lambda: t[0],
+                  on_retire=retired.append)
+    return a, retired
 
 
 def fill(a: Allocator) -> list[int]:
@@ -54,7 +54,7 @@ def test_clock_retires_before_reuse_and_skips_pinned() -> None:
     a.ref[0] = 0
     g = a.allocate(0)
     assert g == 1  # slot 0 is pinned: CLOCK passes it
-    assert unindexed == [1]  # unindexed (retired) before it was handed out
+    assert unindexed == [1]  # retired (tombstone, out of the index) before it was handed out
     assert a.slots["state"][g] == WRITING
     assert a.slots["state"][0] == VALID
 
