@@ -15,9 +15,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from kvstore.shm.segment import home_prefix, leftovers, pid_alive
 from kvstore.testing import ServiceProcess
+
+
+# The machines are shared and noisy: Hypothesis must judge correctness, not speed.
+settings.register_profile("kvstore", deadline=None, derandomize=False)
+settings.load_profile("kvstore")
 
 
 def _loop_ok() -> str | None:

@@ -76,7 +76,8 @@ class KeyIndex:
 
     def _live(self, gids: np.ndarray[Any, Any], tags: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         s = self.slots[np.maximum(gids, 0)]
-        return (gids >= 0) & (s["state"] == VALID) & (s["d0"] == tags)
+        live: np.ndarray[Any, Any] = (gids >= 0) & (s["state"] == VALID) & (s["d0"] == tags)
+        return live
 
     def lookup(self, words: np.ndarray[Any, Any], local: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any]:
         """Global slot ids (``-1`` for a miss) of ``n x 4`` u64 digest words, vectorized.

@@ -1,0 +1,81 @@
+"""The join, vectorized: apply a batch of registers to the slot table in shared memory.
+
+``apply`` is what the supervisor runs on every batch of peers' records (and
+what the property tests check for the CRDT laws). It keeps, per slot, the
+register with the larger ``(gen, state)``; duplicates inside one batch are
+resolved the same way first, so the result does not depend on batch order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..shm.slots import SlotMap
+
+
+def order_key(gen: np.ndarray[Any, Any], state: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """(gen, state) as one sortable key: gen * 4 + state (states are < 4).
+
+    Generations are below 2**62 (microseconds since the epoch stay far below), so
+    the product does not overflow a u64.
+    """
+    key: np.ndarray[Any, Any] = gen.astype(np.uint64) * np.uint64(4) + state.astype(np.uint64)
+    return key
+
+
+def gids_of(smap: SlotMap, recs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Global slot ids of records (whose device, area and slot were validated)."""
+    bases = np.array(smap.bases, dtype=np.int64)
+    out: np.ndarray[Any, Any] = bases[recs["device"].astype(np.int64), recs["area"].astype(np.int64)] \
+        + recs["slot"].astype(np.int64)
+    return out
+
+
+def apply(slots: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], recs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Join ``recs`` (REGISTER_DTYPE) into ``slots`` at ``gids``; return the gids that changed.
+
+    Invariant kept: ``order_key(slots[g])`` never decreases.
+    """
+    if len(recs) == 0:
+        return np.zeros(0, dtype=np.int64)
+    k = order_key(recs["gen"], recs["state"])
+    # newest record per gid within the batch: sort by (gid, key), keep the last of each gid
+    order = np.lexsort((k, gids))
+    g_sorted = gids[order]
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = g_sorted[1:] != g_sorted[:-1]
+    pick = order[last]
+    g = gids[pick]
+    r = recs[pick]
+    cur = slots[g]
+    newer = order_key(r["gen"], r["state"]) > order_key(cur["gen"], cur["state"])
+    g = g[newer]
+    r = r[newer]
+    if len(g):
+        for f in ("gen", "d0", "d1", "d2", "d3", "length", "state"):
+            slots[f][g] = r[f]
+    changed: np.ndarray[Any, Any] = g
+    return changed
+
+
+def registers_of(slots: np.ndarray[Any, Any], smap: SlotMap, device: int, area: int) -> np.ndarray[Any, Any]:
+    """Registers of one area in a wire state (VALID or RETIRED), as wire records (a snapshot).
+
+    A slot being written (WRITING) is left out: peers keep its tombstone until the
+    commit arrives with the same generation and state VALID.
+    """
+    from ..shm.slots import RETIRED, VALID
+    from .register import REGISTER_DTYPE
+
+    r = smap.area_gids(device, area)
+    s = slots[r.start:r.stop]
+    idx = np.nonzero((s["gen"] > 0) & ((s["state"] == VALID) | (s["state"] == RETIRED)))[0]
+    out = np.zeros(len(idx), dtype=REGISTER_DTYPE)
+    out["device"] = device
+    out["area"] = area
+    out["slot"] = idx
+    for f in ("gen", "d0", "d1", "d2", "d3", "length", "state"):
+        out[f] = s[f][idx]
+    return out
