@@ -43,11 +43,16 @@ def cmd_create(a: argparse.Namespace) -> int:
     if store_path(a.store, home).exists() and not a.force:
         _err(f"store {a.store!r} already exists ({store_path(a.store, home)}); pass --force to replace it")
         return EXIT_REFUSED
-    servers = []
-    for s in a.server:
-        name, _, sync = s.partition("=")
-        servers.append(ServerConfig(name, sync))
-    cfg = StoreConfig(name=a.store, uuid=str(uuid.uuid4()), page_size=page_size, devices=tuple(a.device),
+    from .crdt.keys import create_keypair
+
+    specs = [s.partition("=") for s in a.server]
+    for n, _, sync in specs:
+        ServerConfig(n, sync)  # validate names and addresses before anything is written
+    store_uuid = str(uuid.uuid4())
+    StoreConfig(name=a.store, uuid=store_uuid, page_size=page_size, devices=tuple(a.device),
+                servers=tuple(ServerConfig(n, sync) for n, _, sync in specs))
+    servers = [ServerConfig(n, sync, create_keypair(a.store, n, home)) for n, _, sync in specs]
+    cfg = StoreConfig(name=a.store, uuid=store_uuid, page_size=page_size, devices=tuple(a.device),
                       servers=tuple(servers))
     for d in a.device:
         if not os.path.exists(d):
@@ -64,6 +69,9 @@ def cmd_create(a: argparse.Namespace) -> int:
         print(f"formatted {d}: {len(sb.areas)} area(s) of {per} slots ({format_size(per * page_size)} each)")
     p = save_store(cfg, home)
     print(f"created store {cfg.name} ({cfg.uuid}), page size {format_size(page_size)}; config {p}")
+    if len(servers) > 1:
+        print(f"server keys are in {home / 'keys' / cfg.name}: copy each server's .key file and the config "
+              "to that server's MASS_HOME")
     return EXIT_OK
 
 

@@ -69,12 +69,26 @@ class ServerConfig:
     name: str
     """Server name, unique in the store (e.g. the host name)."""
     sync: str = ""
-    """``HOST:PORT`` of its peer-sync endpoint (used when several servers share the store)."""
+    """``HOST:PORT`` of its peer-sync endpoint: deltas are published on PORT, anti-entropy
+    is served on PORT+1 (needed when several servers share the store)."""
+    public_key: str = ""
+    """Its CurveZMQ public key (Z85, 40 characters); only these keys may connect to peers."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "server")
-        if self.sync and not re.match(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$", self.sync):
-            raise ValueError(f"server {self.name}: sync address {self.sync!r} is not HOST:PORT")
+        if self.sync:
+            m = re.match(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$", self.sync)
+            if not m or not 1 <= int(m.group(2)) <= 65534:
+                raise ValueError(f"server {self.name}: sync address {self.sync!r} is not HOST:PORT "
+                                 "(PORT 1..65534; PORT+1 is used too)")
+        if self.public_key and len(self.public_key) != 40:
+            raise ValueError(f"server {self.name}: public_key must be 40 Z85 characters")
+
+    @property
+    def endpoints(self) -> tuple[str, str]:
+        """ZMQ endpoints (deltas, anti-entropy) of this server's sync address."""
+        host, _, port = self.sync.rpartition(":")
+        return f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,35 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True)
+class SyncConfig:
+    """Peer replication tunables (sync agent)."""
+
+    flush_interval_s: float = 0.005
+    """Longest a location update waits before it is published (seconds)."""
+    flush_records: int = 1024
+    """Updates that trigger a publish before the interval is up."""
+    heartbeat_s: float = 0.5
+    """Interval of heartbeats that let peers notice what they missed (seconds)."""
+    request_timeout_s: float = 1.0
+    """How long an anti-entropy request may stay unanswered before it is sent again (seconds)."""
+    delta_log_records: int = 1 << 20
+    """Updates the supervisor keeps to answer peers that missed some (56 bytes each); a peer
+    further behind gets a snapshot of the areas instead."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.flush_interval_s <= 1:
+            raise ValueError(f"flush_interval_s must be in (0, 1], got {self.flush_interval_s}")
+        if not 1 <= self.flush_records <= 65536:
+            raise ValueError(f"flush_records must be in [1, 65536], got {self.flush_records}")
+        if not 0 < self.heartbeat_s <= 60:
+            raise ValueError(f"heartbeat_s must be in (0, 60], got {self.heartbeat_s}")
+        if not 0 < self.request_timeout_s <= 60:
+            raise ValueError(f"request_timeout_s must be in (0, 60], got {self.request_timeout_s}")
+        if not 1024 <= self.delta_log_records <= 1 << 26 or self.delta_log_records & (self.delta_log_records - 1):
+            raise ValueError("delta_log_records must be a power of two in [1024, 2**26]")
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """A store: its identity, devices, servers and subsystem settings."""
 
@@ -142,6 +185,7 @@ class StoreConfig:
     """Hex salt mixed into every key digest (BLAKE2b key), so digests are not guessable."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         check_name(self.name, "store")
@@ -158,6 +202,11 @@ class StoreConfig:
         names = [s.name for s in self.servers]
         if len(set(names)) != len(names):
             raise ValueError("a server name is listed twice")
+        if len(self.servers) > 1:
+            for sv in self.servers:
+                if not sv.sync:
+                    raise ValueError(f"server {sv.name} needs a sync address (NAME=HOST:PORT) in a store "
+                                     "with several servers")
         bytes.fromhex(self.salt)
 
     @property
@@ -188,6 +237,7 @@ class StoreConfig:
             "servers": [asdict(s) for s in self.servers],
             "worker": asdict(self.worker),
             "service": asdict(self.service),
+            "sync": asdict(self.sync),
         }
         return tomli_w.dumps(doc)
 
@@ -206,6 +256,7 @@ class StoreConfig:
                 servers=tuple(ServerConfig(**s) for s in doc["servers"]),
                 worker=WorkerConfig(**doc.get("worker", {})),
                 service=ServiceConfig(**doc.get("service", {})),
+                sync=SyncConfig(**doc.get("sync", {})),
             )
         except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"malformed store config: {e}") from None
@@ -214,6 +265,11 @@ class StoreConfig:
 def store_path(name: str, home: Path | None = None) -> Path:
     """Path of store ``name``'s config file."""
     return (home or mass_home()) / "stores" / f"{check_name(name, 'store')}.toml"
+
+
+def key_path(store: str, server: str, home: Path | None = None) -> Path:
+    """File holding server ``server``'s CurveZMQ keypair for ``store`` (owner-only)."""
+    return (home or mass_home()) / "keys" / check_name(store, "store") / f"{check_name(server, 'server')}.key"
 
 
 def run_dir(name: str, home: Path | None = None) -> Path:

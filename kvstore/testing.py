@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .config import ServerConfig, StoreConfig, ServiceConfig, WorkerConfig, run_dir, save_store
+from .config import ServerConfig, ServiceConfig, StoreConfig, SyncConfig, WorkerConfig, run_dir, save_store
 from .errors import KVStoreError
 from .shm.segment import leftovers, name_prefix
 from .storage.device import format_device
@@ -22,15 +22,22 @@ from .storage.device import format_device
 
 def make_store(home: Path, name: str, devices: list[str], page_size: int, servers: list[str] | None = None,
                *, service: ServiceConfig | None = None, worker: WorkerConfig | None = None,
-               force: bool = False) -> StoreConfig:
-    """Create a store config under ``home`` and format its devices (which must exist)."""
-    servers = servers or ["local"]
+               sync: SyncConfig | None = None, force: bool = False) -> StoreConfig:
+    """Create a store config under ``home``, a keypair per server, and format its devices.
+
+    ``servers`` are ``NAME`` or ``NAME=HOST:PORT`` (several servers need sync addresses).
+    """
+    from .crdt.keys import create_keypair
+
+    specs = [s.partition("=") for s in (servers or ["local"])]
     cfg = StoreConfig(name=name, uuid=str(uuid.uuid4()), page_size=page_size, devices=tuple(devices),
-                      servers=tuple(ServerConfig(s) for s in servers),
-                      service=service or ServiceConfig(), worker=worker or WorkerConfig())
+                      servers=tuple(ServerConfig(n, sync, create_keypair(name, n, home)) for n, _, sync in specs),
+                      service=service or ServiceConfig(), worker=worker or WorkerConfig(),
+                      sync=sync or SyncConfig())
+    names = [n for n, _, _ in specs]
     for i, d in enumerate(devices):
         format_device(d, store_uuid=cfg.uuid_bytes, store_name=name, page_size=page_size, device_index=i,
-                      device_count=len(devices), servers=servers, force=force)
+                      device_count=len(devices), servers=names, force=force)
     save_store(cfg, home)
     return cfg
 

@@ -41,18 +41,22 @@ from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AlreadyRunning
 from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_IO_ERROR, ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
+from ..crdt.agent import AgentParams, Peer, agent_main
+from ..crdt.keys import load_keypair
+from ..crdt.log import SyncRings
 from ..ioworkers.worker import WorkerParams, worker_main
 from ..shm import arena as A
 from ..shm.index import ENTRY_DTYPE, KeyIndex, index_capacity
 from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
                            unlink_semaphore, wait_semaphore)
-from ..shm.slots import SLOT_DTYPE, VALID, SlotMap, slot_table
+from ..shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap, slot_table
 from ..shm.stats import D, StatsBlock, stats_nbytes
 from ..storage.device import verify_device
 from ..storage.header import HEADER_BLOCK
 from . import protocol as P
 from .allocator import Allocator, Generations
 from .rebuild import scan_devices
+from .sync import SyncLink, new_epoch
 
 log = structlog.get_logger(__name__)
 
@@ -156,6 +160,11 @@ class Supervisor:
         self.salt = bytes.fromhex(cfg.salt)
         self.lsock: socket.socket | None = None
         self.zombies: list[tuple[Any, list[int]]] = []
+        self.sync: SyncLink | None = None
+        self.agent: Any = None
+        self.agent_restarts = 0
+        self.to_publish: list[int] = []
+        self.epoch = new_epoch()
         self.log = log.bind(store=cfg.name, server=server)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -222,7 +231,8 @@ class Supervisor:
             self.local = np.zeros(total, dtype=bool)  # own slots: preferred when a key has several copies
             for r in self.own:
                 self.local[r.start:r.stop] = True
-            self.alloc = Allocator(self.slots, self.own, gens, cfg.service.retire_grace_s)
+            self.alloc = Allocator(self.slots, self.own, gens, cfg.service.retire_grace_s,
+                                   on_retire=self.to_publish.append)
             self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
                           seconds=round(rep.seconds, 3))
             for d, path in enumerate(cfg.devices):
@@ -233,6 +243,11 @@ class Supervisor:
             self._mp = multiprocess.get_context("spawn")
             for w in self.workers:
                 self._spawn(w)
+            if len(cfg.servers) > 1:
+                seg = self._segment("sync", SyncRings.nbytes())
+                self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
+                                     cfg.sync.delta_log_records, self.stats)
+                self._spawn_agent()
             self._listen()
             (self.rundir / f"{self.server}.pid").write_text(f"{os.getpid()}\n")
             self.log.info("service started", pid=os.getpid(), devices=len(cfg.devices), slots=total,
@@ -253,6 +268,23 @@ class Supervisor:
                                   name=f"kvstore-io-{cfg.name}-{w.device}")
         w.proc.start()
         self.stats.dev_set(w.device, "pid", w.proc.pid)
+
+    def _spawn_agent(self) -> None:
+        cfg = self.cfg
+        me = cfg.servers[self.area]
+        public, secret = load_keypair(cfg.name, self.server, self.home)
+        peers = tuple(Peer(s.name, i, *s.endpoints, s.public_key.encode())
+                      for i, s in enumerate(cfg.servers) if i != self.area)
+        params = AgentParams(
+            store=cfg.name, server=self.server, area=self.area, epoch=self.epoch, pub=me.endpoints[0],
+            router=me.endpoints[1], public_key=public, secret_key=secret, peers=peers,
+            counts=tuple(tuple(c) for c in self.smap.counts), page_size=cfg.page_size,
+            sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=self.prefix + "bell",
+            flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
+            heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s)
+        self.agent = self._mp.Process(target=agent_main, args=(params,), daemon=True,
+                                      name=f"kvstore-sync-{cfg.name}")
+        self.agent.start()
 
     def _listen(self) -> None:
         try:
@@ -524,7 +556,13 @@ class Supervisor:
                     self.stats.add("validation_failures")
                     # drop the location only if the slot still holds what we read (not rewritten since)
                     if int(self.slots["gen"][op.gid]) == op.gen and self.slots["state"][op.gid] == VALID:
-                        self.alloc.drop(op.gid, self._own_device(op.gid))
+                        own = self._own_device(op.gid)
+                        if own is not None:
+                            self.alloc.drop(op.gid, own)
+                        else:
+                            # another server's slot: distrust this generation only (RETIRED at the
+                            # same generation outranks a re-delivered VALID; its next write does not)
+                            self.slots["state"][op.gid] = RETIRED
                     self.log.warning("page failed validation; location dropped", gid=op.gid,
                                      reason="header" if status == ST_BAD_HEADER else "checksum")
                 else:
@@ -534,6 +572,7 @@ class Supervisor:
             if status == ST_OK:
                 self.alloc.commit(op.gid, op.words, op.length)
                 self.index.insert(op.words, op.gid)
+                self.to_publish.append(op.gid)
                 ch.results[op.index] = P.R_STORED
                 self.stats.add("pages_written")
                 self.stats.add("bytes_written", op.length)
@@ -569,6 +608,12 @@ class Supervisor:
                 self._worker_lost(w, f"exited with code {w.proc.exitcode}")
             elif now - oldest.get(w.device, now) > tmo:
                 self._worker_lost(w, f"I/O outstanding for more than {tmo} s")
+        if self.agent is not None and not self.agent.is_alive() and not self.stop:
+            self.log.warning("sync agent lost; restarting", pid=self.agent.pid, code=self.agent.exitcode)
+            self.agent.join(1.0)
+            self.agent_restarts += 1
+            self.stats.set("sync_restarts", self.agent_restarts)
+            self._spawn_agent()
         for z in list(self.zombies):
             proc, bufs = z
             if not proc.is_alive():
@@ -617,6 +662,13 @@ class Supervisor:
         try:
             while not self.stop:
                 n = self._drain_completions() + self._serve_clients()
+                if self.sync is not None:
+                    n += self.sync.drain() + self.sync.serve_answers()
+                    if self.to_publish:
+                        self.sync.publish(self.to_publish)
+                        self.to_publish.clear()
+                else:
+                    self.to_publish.clear()
                 now = time.monotonic()
                 if now - last >= TICK_S:
                     last = now
@@ -645,6 +697,14 @@ class Supervisor:
                 self.sock_path.unlink()
             except FileNotFoundError:
                 pass
+        if self.agent is not None:
+            if self.agent.is_alive():
+                self.agent.terminate()
+            self.agent.join(5.0)
+            if self.agent.is_alive():
+                self.agent.kill()
+                self.agent.join(5.0)
+            self.agent = None
         for w in self.workers:
             if w.proc is not None and w.proc.is_alive():
                 w.proc.terminate()

@@ -92,6 +92,23 @@ class Ring:
         self._recs[tail & self._mask] = rec
         LIB.kv_store_release_u64(self._tail, tail + 1)
 
+    def put_many(self, recs: np.ndarray[Any, Any]) -> None:
+        """Append all of ``recs`` (an array of the ring's dtype) or nothing.
+
+        Raises:
+            WouldBlock: fewer than ``len(recs)`` records of room.
+        """
+        n = len(recs)
+        tail = int(self._tail[0])
+        if tail + n - LIB.kv_load_acquire_u64(self._head) > self.capacity:
+            raise WouldBlock("ring has no room for the batch")
+        start = tail & self._mask
+        first = min(n, self.capacity - start)
+        self._recs[start:start + first] = recs[:first]
+        if first < n:
+            self._recs[:n - first] = recs[first:]
+        LIB.kv_store_release_u64(self._tail, tail + n)
+
     def put(self, rec: Any, timeout_s: float) -> None:
         """Append one record, waiting up to ``timeout_s`` for room (polling every 50 us..1 ms).
 

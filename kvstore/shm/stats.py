@@ -87,6 +87,22 @@ class ServiceCounters:
     """This server's slots holding a valid page (gauge)."""
     pins: int = 0
     """Slots pinned by reads in flight (gauge)."""
+    sync_records_sent: int = 0
+    """Location updates sent to peers (deltas and answers; the sync agent writes it)."""
+    sync_records_received: int = 0
+    """Peers' location updates accepted after validation (sync agent)."""
+    sync_messages_rejected: int = 0
+    """Peer messages dropped: malformed, truncated, out of range or about another owner (sync agent)."""
+    sync_requests_sent: int = 0
+    """Anti-entropy requests sent to peers (sync agent)."""
+    sync_records_merged: int = 0
+    """Peers' updates that changed the slot table (supervisor)."""
+    sync_answers_served: int = 0
+    """Anti-entropy requests answered (supervisor)."""
+    sync_snapshots_served: int = 0
+    """Answers that had to be a snapshot (supervisor)."""
+    sync_restarts: int = 0
+    """Sync agent restarts (supervisor)."""
     started_ns: int = 0
     """Service start time, ns since the epoch."""
     heartbeat_ns: int = 0

@@ -1,0 +1,316 @@
+"""The sync agent process: moves location updates between this server and its peers.
+
+It owns no state of the store: the supervisor keeps the slot table, the delta
+log and the sequence numbers; the agent is a validated, authenticated pump.
+
+Each turn of its loop (2 ms poll):
+
+* drain the ``out`` ring: own deltas are batched and published on the PUB
+  (every ``flush_interval_s`` or ``flush_records``); answer records are
+  collected per peer and sent on the ROUTER when their end marker comes;
+* receive from every peer's SUB and DEALER: decode and validate (owner must be
+  that peer, see ``delta.decode``), hand registers to the supervisor on the
+  ``in`` ring, and track the peer's (epoch, next seq); a gap, a new epoch, or
+  a heartbeat showing we are behind triggers a request for what is missing
+  (one outstanding per peer, re-sent after ``request_timeout_s``);
+* receive requests on the ROUTER and hand them to the supervisor;
+* publish a heartbeat every ``heartbeat_s``.
+
+A message that fails validation is dropped and counted; nothing a peer sends
+can stop the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import zmq
+
+from ..shm.segment import Segment, attach_semaphore
+from ..shm.slots import SlotMap
+from ..shm.stats import StatsBlock
+from .delta import BadMessage, decode, encode
+from .log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_REMOTE, K_REQUEST,
+                  SYNC_REC, SyncRings, to_registers, to_sync)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another server of the store, as the agent needs it."""
+
+    name: str
+    area: int
+    pub: str
+    router: str
+    public_key: bytes
+
+
+@dataclass(frozen=True)
+class AgentParams:
+    """Everything the agent needs, as plain values."""
+
+    store: str
+    server: str
+    area: int
+    epoch: int
+    pub: str
+    router: str
+    public_key: bytes
+    secret_key: bytes
+    peers: tuple[Peer, ...]
+    counts: tuple[tuple[int, ...], ...]
+    page_size: int
+    sync_segment: str
+    stats_name: str
+    doorbell: str
+    flush_interval_s: float
+    flush_records: int
+    heartbeat_s: float
+    request_timeout_s: float
+
+
+@dataclass
+class PeerState:
+    """What we know of one peer's delta stream."""
+
+    epoch: int = -1
+    next: int = 0
+    requested_at: float = 0.0
+    outstanding: bool = False
+    answer: list[np.ndarray[Any, Any]] = field(default_factory=list)
+
+
+class Agent:
+    """See the module docstring."""
+
+    def __init__(self, p: AgentParams) -> None:
+        from .transport import Transport
+
+        self.p = p
+        self.smap = SlotMap(p.counts)
+        self.seg = Segment.attach(p.sync_segment)
+        self.rings = SyncRings(self.seg.buf)
+        self.stats_seg = Segment.attach(p.stats_name)
+        self.stats = StatsBlock.attach(self.stats_seg.buf)
+        self.doorbell = attach_semaphore(p.doorbell)
+        self.t = Transport(p.public_key, p.secret_key, [x.public_key for x in p.peers])
+        self.pub = self.t.publisher(p.pub)
+        self.router = self.t.router(p.router)
+        self.subs = {x.area: self.t.subscriber(x.pub, x.public_key) for x in p.peers}
+        self.dealers = {x.area: self.t.dealer(x.router, x.public_key, p.server.encode()) for x in p.peers}
+        self.by_name = {x.name.encode(): x.area for x in p.peers}
+        self.state = {x.area: PeerState() for x in p.peers}
+        self.answers: dict[int, list[np.ndarray[Any, Any]]] = {x.area: [] for x in p.peers}
+        self.pending: list[np.ndarray[Any, Any]] = []
+        self.pending_n = 0
+        self.pending_seq = 0
+        self.last_flush = time.monotonic()
+        self.last_hb = 0.0
+        self.next_seq = 0  # after the last own delta we published
+        self.stop = False
+        self.poller = zmq.Poller()
+        for s in [self.router, *self.subs.values(), *self.dealers.values()]:
+            self.poller.register(s, zmq.POLLIN)
+        self.sock_peer = {id(s): a for a, s in self.subs.items()}
+        self.sock_peer.update({id(s): a for a, s in self.dealers.items()})
+        self.parent = os.getppid()
+
+    # ---- to the supervisor ---------------------------------------------------------------------
+    def _to_supervisor(self, recs: np.ndarray[Any, Any]) -> bool:
+        inn = self.rings.inn
+        if inn.free() < len(recs):
+            return False
+        inn.put_many(recs)
+        self.doorbell.release()
+        return True
+
+    def _accept(self, peer: int, regs: np.ndarray[Any, Any]) -> bool:
+        ok = self._to_supervisor(to_sync(regs, K_REMOTE, peer))
+        if ok:
+            self.stats.add("sync_records_received", len(regs))
+        return ok
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _request(self, peer: int, now: float, force: bool = False) -> None:
+        st = self.state[peer]
+        if st.outstanding and not force and now - st.requested_at < self.p.request_timeout_s:
+            return
+        st.outstanding = True
+        st.requested_at = now
+        st.answer = []
+        self.dealers[peer].send(encode("q", peer, max(st.epoch, 0), st.next), zmq.NOBLOCK)
+        self.stats.add("sync_requests_sent")
+
+    # ---- receiving -------------------------------------------------------------------------------
+    def _on_message(self, peer: int, data: bytes, now: float) -> None:
+        try:
+            m = decode(data, self.smap, self.p.page_size, peer)
+        except BadMessage as e:
+            self.stats.add("sync_messages_rejected")
+            log.warning("dropped a bad peer message", peer=peer, reason=str(e))
+            return
+        st = self.state[peer]
+        if m.kind == "d":
+            if m.epoch != st.epoch:  # the peer restarted (or we just joined): catch up from its start
+                st.epoch, st.next = m.epoch, 0
+                st.outstanding = False
+            if not self._accept(peer, m.records):
+                self._request(peer, now)
+                return
+            if m.seq <= st.next:
+                st.next = max(st.next, m.seq + len(m.records))
+            else:
+                self._request(peer, now)
+        elif m.kind == "hb":
+            if m.epoch != st.epoch:
+                st.epoch, st.next = m.epoch, 0
+                st.outstanding = False
+            if m.seq > st.next:
+                self._request(peer, now)
+        elif m.kind == "a":
+            if m.epoch != st.epoch and not m.snapshot:
+                return  # an answer about an older run of the peer
+            if not self._accept(peer, m.records):
+                st.outstanding = False
+                return
+            if m.last:
+                st.epoch = m.epoch
+                st.next = max(st.next, m.next_seq) if not m.snapshot else max(st.next, m.next_seq)
+                st.outstanding = False
+        else:
+            self.stats.add("sync_messages_rejected")
+
+    def _on_request(self, frames: list[bytes]) -> None:
+        if len(frames) != 2 or frames[0] not in self.by_name:
+            self.stats.add("sync_messages_rejected")
+            return
+        peer = self.by_name[frames[0]]
+        try:
+            m = decode(frames[1], self.smap, self.p.page_size, self.p.area)
+        except BadMessage:
+            self.stats.add("sync_messages_rejected")
+            return
+        if m.kind != "q":
+            self.stats.add("sync_messages_rejected")
+            return
+        rec = np.zeros(1, dtype=SYNC_REC)
+        rec["kind"], rec["peer"], rec["seq"], rec["gen"] = K_REQUEST, peer, m.seq, m.epoch
+        self._to_supervisor(rec)
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        regs = np.concatenate(self.pending)
+        self.pub.send(encode("d", self.p.area, self.p.epoch, self.pending_seq, regs))
+        self.stats.add("sync_records_sent", len(regs))
+        self.next_seq = self.pending_seq + len(regs)
+        self.pending = []
+        self.pending_n = 0
+        self.last_flush = time.monotonic()
+
+    def _drain_out(self) -> None:
+        recs = self.rings.out.get_batch(1 << 16)
+        if not len(recs):
+            return
+        kinds = recs["kind"]
+        i = 0
+        n = len(recs)
+        while i < n:
+            k = kinds[i]
+            j = i
+            while j < n and kinds[j] == k:
+                j += 1
+            chunk = recs[i:j]
+            if k == K_DELTA:
+                seqs = chunk["seq"].astype(np.int64)
+                # a seq gap (the supervisor dropped records when this ring was full) starts a new message
+                if self.pending and int(seqs[0]) != self.pending_seq + self.pending_n:
+                    self._flush()
+                if not self.pending:
+                    self.pending_seq = int(seqs[0])
+                self.pending.append(to_registers(chunk))
+                self.pending_n += len(chunk)
+                if self.pending_n >= self.p.flush_records:
+                    self._flush()
+            elif k == K_ANSWER:
+                for peer in np.unique(chunk["peer"]):
+                    self.answers[int(peer)].append(to_registers(chunk[chunk["peer"] == peer]))
+            elif k == K_ANSWER_END:
+                for r in chunk:
+                    peer = int(r["peer"])
+                    parts = self.answers.get(peer, [])
+                    regs = np.concatenate(parts) if parts else np.zeros(0, dtype=to_registers(chunk[:0]).dtype)
+                    self.answers[peer] = []
+                    flags = int(r["state"])
+                    self.router.send_multipart([
+                        next(x.name.encode() for x in self.p.peers if x.area == peer),
+                        encode("a", self.p.area, self.p.epoch, int(r["seq"]), regs, next_seq=int(r["gen"]),
+                               snapshot=bool(flags & END_SNAPSHOT), last=bool(flags & END_LAST))])
+                    self.stats.add("sync_records_sent", len(regs))
+            i = j
+
+    def run(self) -> None:
+        """Serve until SIGTERM or the supervisor is gone."""
+        last_parent_check = 0.0
+        while not self.stop:
+            events = dict(self.poller.poll(2))
+            now = time.monotonic()
+            if self.router in events:
+                for _ in range(1000):
+                    try:
+                        self._on_request(self.router.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            for s in [*self.subs.values(), *self.dealers.values()]:
+                if s in events:
+                    peer = self.sock_peer[id(s)]
+                    for _ in range(1000):
+                        try:
+                            self._on_message(peer, s.recv(zmq.NOBLOCK), now)
+                        except zmq.Again:
+                            break
+            self._drain_out()
+            if self.pending and now - self.last_flush >= self.p.flush_interval_s:
+                self._flush()
+            if now - self.last_hb >= self.p.heartbeat_s:
+                self.last_hb = now
+                self.pub.send(encode("hb", self.p.area, self.p.epoch, self.next_seq))
+                for peer, st in self.state.items():
+                    if st.outstanding and now - st.requested_at > self.p.request_timeout_s:
+                        self._request(peer, now, force=True)
+            if now - last_parent_check > 0.5:
+                last_parent_check = now
+                if os.getppid() != self.parent:
+                    break
+
+    def close(self) -> None:
+        """Close sockets and mappings."""
+        self.t.close()
+
+
+def agent_main(p: AgentParams) -> None:
+    """Process entry point (spawned by the supervisor)."""
+    from ..logging import configure_logging
+
+    configure_logging()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    a = Agent(p)
+
+    def _term(signum: int, frame: Any) -> None:
+        a.stop = True
+
+    signal.signal(signal.SIGTERM, _term)
+    log.info("sync agent started", store=p.store, server=p.server, peers=len(p.peers))
+    try:
+        a.run()
+    finally:
+        a.close()

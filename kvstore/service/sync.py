@@ -1,0 +1,131 @@
+"""The supervisor's side of replication: publish own updates, merge peers', answer requests.
+
+The supervisor stays the only writer of the slot table: the sync agent hands
+it validated peer registers (``in`` ring) and it applies the join here, in
+batches, vectorized (``crdt.merge.apply``), then indexes what became VALID.
+Own updates (a page written, a slot retired) go into the delta log with a
+sequence number and to the agent (``out`` ring). Requests from peers are
+answered from the log, or with a snapshot of our areas when the log no longer
+reaches back far enough or the peer knew another epoch of ours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ..crdt.log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_REMOTE, K_REQUEST,
+                        SYNC_REC, DeltaLog, SyncRings, to_registers, to_sync)
+from ..crdt.merge import apply, gids_of, registers_of
+from ..crdt.register import REGISTER_DTYPE
+from ..shm.index import KeyIndex
+from ..shm.slots import VALID, SlotMap
+from ..shm.stats import StatsBlock
+
+log = structlog.get_logger(__name__)
+
+ANSWER_CHUNK = 1 << 14
+
+
+@dataclass
+class _Answer:
+    peer: int
+    from_seq: int
+    next_seq: int
+    snapshot: bool
+    regs: np.ndarray[Any, Any]
+    sent: int = 0
+
+
+class SyncLink:
+    """Invariant: every own update is in the delta log before it is offered to the agent."""
+
+    def __init__(self, buf: Any, slots: np.ndarray[Any, Any], smap: SlotMap, index: KeyIndex, area: int,
+                 epoch: int, log_capacity: int, stats: StatsBlock) -> None:
+        self.rings = SyncRings(buf)
+        self.slots = slots
+        self.smap = smap
+        self.index = index
+        self.area = area
+        self.epoch = epoch
+        self.log = DeltaLog(log_capacity)
+        self.stats = stats
+        self.answers: deque[_Answer] = deque()
+
+    def publish(self, gids: list[int]) -> None:
+        """Record own slots' current registers as updates and offer them to the agent."""
+        if not gids:
+            return
+        g = np.asarray(gids, dtype=np.int64)
+        s = self.slots[g]
+        regs = np.zeros(len(g), dtype=REGISTER_DTYPE)
+        loc = np.array([self.smap.locate(int(x)) for x in g], dtype=np.int64).reshape(-1, 3)
+        regs["device"], regs["area"], regs["slot"] = loc[:, 0], loc[:, 1], loc[:, 2]
+        for f in ("gen", "d0", "d1", "d2", "d3", "length", "state"):
+            regs[f] = s[f]
+        seq0 = self.log.append(regs)
+        recs = to_sync(regs, K_DELTA, 0, seq0)
+        out = self.rings.out
+        if out.free() >= len(recs):
+            out.put_many(recs)
+        # else: the agent is behind; peers see the seq gap and ask for these from the log
+
+    def drain(self) -> int:
+        """Merge peers' registers and queue answers to their requests; returns records handled."""
+        recs = self.rings.inn.get_batch(1 << 16)
+        if not len(recs):
+            return 0
+        remote = recs[recs["kind"] == K_REMOTE]
+        if len(remote):
+            regs = to_registers(remote)
+            changed = apply(self.slots, gids_of(self.smap, regs), regs)
+            if len(changed):
+                valid = changed[self.slots["state"][changed] == VALID]
+                if len(valid):
+                    s = self.slots[valid]
+                    self.index.insert_many(np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1), valid)
+                self.stats.add("sync_records_merged", len(changed))
+        for r in recs[recs["kind"] == K_REQUEST]:
+            self._queue_answer(int(r["peer"]), int(r["seq"]), int(r["gen"]))
+        return len(recs)
+
+    def _queue_answer(self, peer: int, from_seq: int, epoch: int) -> None:
+        tail = self.log.since(from_seq) if epoch == self.epoch else None
+        if tail is not None:
+            self.answers.append(_Answer(peer, from_seq, self.log.next, False, tail))
+        else:
+            snap = [registers_of(self.slots, self.smap, d, self.area) for d in range(self.smap.n_devices)]
+            self.answers.append(_Answer(peer, 0, self.log.next, True, np.concatenate(snap)))
+            self.stats.add("sync_snapshots_served")
+        self.stats.add("sync_answers_served")
+
+    def serve_answers(self) -> int:
+        """Push queued answers to the agent as far as the ring has room; returns records pushed."""
+        out = self.rings.out
+        pushed = 0
+        while self.answers:
+            a = self.answers[0]
+            n = min(ANSWER_CHUNK, len(a.regs) - a.sent)
+            if out.free() < n + 1:
+                break
+            out.put_many(to_sync(a.regs[a.sent:a.sent + n], K_ANSWER, a.peer))
+            a.sent += n
+            pushed += n
+            end = np.zeros(1, dtype=SYNC_REC)
+            done = a.sent >= len(a.regs)
+            end["kind"], end["peer"], end["seq"], end["gen"] = K_ANSWER_END, a.peer, a.from_seq, a.next_seq
+            end["state"] = (END_SNAPSHOT if a.snapshot else 0) | (END_LAST if done else 0)
+            out.put_nowait(end[0])
+            if done:
+                self.answers.popleft()
+        return pushed
+
+
+def new_epoch() -> int:
+    """An epoch for this run: the start time in ns (distinct across restarts)."""
+    return time.time_ns()
