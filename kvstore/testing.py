@@ -49,7 +49,8 @@ class ServiceProcess:
     """
 
     def __init__(self, home: Path, store: str, server: str = "local", *, log: Path | None = None,
-                 start_timeout: float = 60.0) -> None:
+                 start_timeout: float = 60.0, netns: str | None = None) -> None:
+        self.netns = netns
         self.home = Path(home)
         self.store = store
         self.server = server
@@ -71,8 +72,11 @@ class ServiceProcess:
         """Start and wait until the service listens (raises ``KVStoreError`` with the log on failure)."""
         env = dict(os.environ, MASS_HOME=str(self.home), PYTHONUNBUFFERED="1")
         self._logf = open(self.log, "ab")
+        cmd = [sys.executable, "-m", "kvstore.cli", "kvcache", "connect", self.store, "--server", self.server]
+        if self.netns:  # `ip netns exec` execs the command: the pid stays the service's
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "kvcache", "connect", self.store, "--server", self.server],
+            cmd,
             env=env, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout
         pidfile = run_dir(self.store, self.home) / f"{self.server}.pid"
@@ -143,3 +147,69 @@ class ServiceProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Network:
+    """Test hosts as Linux network namespaces on one bridge: ``hosts[i]`` has address ``ip(i)``.
+
+    The bridge lives in a namespace of its own too, so nothing is added to the
+    machine's own network. Needs root and iproute2; ``cut(i)``/``heal(i)`` take
+    a host's link down and up (a partition), ``loss(i, pct)`` adds netem loss.
+    """
+
+    def __init__(self, n: int, tag: str | None = None) -> None:
+        self.tag = tag or f"kv{os.getpid() % 100000}"
+        self.subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+        self.switch = f"{self.tag}sw"
+        self.hosts = [f"{self.tag}h{i}" for i in range(n)]
+        self._made: list[str] = []
+        try:
+            self._sh("ip", "netns", "add", self.switch)
+            self._made.append(self.switch)
+            self._sh("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
+            self._sh("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
+            for i, h in enumerate(self.hosts):
+                self._sh("ip", "netns", "add", h)
+                self._made.append(h)
+                self._sh("ip", "netns", "exec", h, "ip", "link", "set", "lo", "up")
+                # create the pair inside the host namespace, move its peer to the switch
+                self._sh("ip", "netns", "exec", h, "ip", "link", "add", "eth0", "type", "veth", "peer", "name",
+                         f"p{i}")
+                self._sh("ip", "netns", "exec", h, "ip", "link", "set", f"p{i}", "netns", self.switch)
+                self._sh("ip", "netns", "exec", self.switch, "ip", "link", "set", f"p{i}", "master", "br0")
+                self._sh("ip", "netns", "exec", self.switch, "ip", "link", "set", f"p{i}", "up")
+                self._sh("ip", "netns", "exec", h, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", "eth0")
+                self._sh("ip", "netns", "exec", h, "ip", "link", "set", "eth0", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def ip(self, i: int) -> str:
+        """Address of host ``i`` (exists only inside these namespaces)."""
+        return f"{self.subnet}.{i + 1}"
+
+    @staticmethod
+    def _sh(*cmd: str) -> None:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise KVStoreError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+    def cut(self, i: int) -> None:
+        """Partition host ``i`` from everyone (its link goes down)."""
+        self._sh("ip", "netns", "exec", self.hosts[i], "ip", "link", "set", "eth0", "down")
+
+    def heal(self, i: int) -> None:
+        """Bring host ``i``'s link back."""
+        self._sh("ip", "netns", "exec", self.hosts[i], "ip", "link", "set", "eth0", "up")
+
+    def close(self) -> None:
+        """Delete every namespace made (their links go with them)."""
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made = []
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
