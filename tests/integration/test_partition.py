@@ -91,8 +91,15 @@ def _run(home: Path, names: list[str], net: Network, svcs: list[ServiceProcess])
             t.start()
         time.sleep(1.5)
         net.cut(2)            # c is partitioned; everyone keeps writing and reading
-        time.sleep(3.0)
+        time.sleep(0.2)
+        a_at_cut = len(written["a"])
+        time.sleep(2.8)
         cut_view = {n: len(written[n]) for n in names}
+        # the partition is real: what a wrote since the cut has not reached c
+        since_cut = written["a"][a_at_cut:cut_view["a"]]
+        assert since_cut
+        with KVCacheClient.connect("m", server="c", home=home) as cc:
+            assert not any(cc.contains(since_cut[:1024]))
         net.heal(2)
         time.sleep(1.0)
     finally:
