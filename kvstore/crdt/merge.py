@@ -37,25 +37,40 @@ def apply(slots: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], recs: np.ndar
     """Join ``recs`` (REGISTER_DTYPE) into ``slots`` at ``gids``; return the gids that changed.
 
     Invariant kept: ``order_key(slots[g])`` never decreases.
+
+    Both layouts are handled as rows of u64 words, which is what makes this fast:
+    a slot entry is 6 words (gen, d0..d3, length|state|pad) and a register 7
+    (device|area|slot, then the same 6), so a whole register is gathered,
+    compared and scattered with one fancy-indexing operation each.
     """
-    if len(recs) == 0:
+    n = len(recs)
+    if n == 0:
         return np.zeros(0, dtype=np.int64)
-    k = order_key(recs["gen"], recs["state"])
-    # newest record per gid within the batch: sort by (gid, key), keep the last of each gid
-    order = np.lexsort((k, gids))
+    R = np.ascontiguousarray(recs).view("<u8").reshape(n, 7)
+    S = slots.view("<u8").reshape(len(slots), 6)
+    k = R[:, 1] * np.uint64(4) + ((R[:, 6] >> np.uint64(32)) & np.uint64(0xFF))
+    # newest record per gid within the batch: group by gid, keep a record with the group's max key
+    order = np.argsort(gids, kind="stable")
     g_sorted = gids[order]
-    last = np.ones(len(order), dtype=bool)
-    last[:-1] = g_sorted[1:] != g_sorted[:-1]
-    pick = order[last]
+    starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+    if len(starts) == n:
+        pick = order
+    else:
+        k_sorted = k[order]
+        best = np.maximum.reduceat(k_sorted, starts)
+        is_best = k_sorted == np.repeat(best, np.diff(np.r_[starts, n]))
+        # first record holding the max of each group
+        first = np.flatnonzero(is_best & np.r_[True, ~(is_best[:-1] & (g_sorted[1:] == g_sorted[:-1]))])
+        pick = order[first]
     g = gids[pick]
-    r = recs[pick]
-    cur = slots[g]
-    newer = order_key(r["gen"], r["state"]) > order_key(cur["gen"], cur["state"])
+    cur = S[g]
+    cur_k = cur[:, 0] * np.uint64(4) + ((cur[:, 5] >> np.uint64(32)) & np.uint64(0xFF))
+    newer = k[pick] > cur_k
     g = g[newer]
-    r = r[newer]
     if len(g):
-        for f in ("gen", "d0", "d1", "d2", "d3", "length", "state"):
-            slots[f][g] = r[f]
+        rows = R[pick[newer], 1:7]
+        rows[:, 5] &= np.uint64(0xFF_FFFF_FFFF)  # length and state; the pad stays zero
+        S[g] = rows
     changed: np.ndarray[Any, Any] = g
     return changed
 
