@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kvstore.crdt.log import SYNC_REC
+from kvstore.crdt.register import REGISTER_DTYPE
 from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST
 from kvstore.service.protocol import MSG
 from kvstore.shm.index import ENTRY_DTYPE
@@ -30,10 +32,13 @@ def test_sizes_match() -> None:
     assert documented("io_request") == IO_REQUEST.itemsize
     assert documented("io_completion") == IO_COMPLETION.itemsize
     assert documented("client_msg") == MSG.itemsize
+    assert documented("register") == REGISTER_DTYPE.itemsize
+    assert documented("sync_rec") == SYNC_REC.itemsize
 
 
 def test_field_offsets_match() -> None:
-    for dt, name in [(IO_REQUEST, "io_request"), (SLOT_DTYPE, "slot_entry"), (MSG, "client_msg")]:
+    for dt, name in [(IO_REQUEST, "io_request"), (SLOT_DTYPE, "slot_entry"), (MSG, "client_msg"),
+                     (REGISTER_DTYPE, "register"), (SYNC_REC, "sync_rec")]:
         for field, (_t, off) in dt.fields.items():  # type: ignore[union-attr]
             if field == "pad":
                 continue
