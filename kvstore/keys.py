@@ -57,6 +57,10 @@ class KeyNamespace:
     """LoRA or other adapter applied (empty: none)."""
     tenant: str = ""
     """Tenant; pages are shared only within one namespace."""
+    layout: str = "lkhtd"
+    """Byte order of a page's axes: ``"lkhtd"`` = layer, k/v, head, token, dim (the
+    transformers adapter); ``"lkthd"`` = layer, k/v, token, head, dim (the vLLM
+    connector). Two layouts of the same tokens never share keys."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "page_tokens", "tp_size"):

@@ -81,7 +81,7 @@ class KVStoreCache:
         self.dtype = model.dtype
         self.page_tokens = page_tokens
         self.ns = KeyNamespace(model_id, str(self.dtype).removeprefix("torch."), self.layers, self.kv_heads,
-                               self.head_dim, page_tokens, adapter_id=adapter_id, tenant=tenant)
+                               self.head_dim, page_tokens, adapter_id=adapter_id, tenant=tenant, layout="lkhtd")
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         self.page_bytes = self.layers * 2 * self.kv_heads * page_tokens * self.head_dim * itemsize
         if self.page_bytes > client.page_size:
