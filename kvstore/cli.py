@@ -51,7 +51,13 @@ def cmd_create(a: argparse.Namespace) -> int:
     store_uuid = str(uuid.uuid4())
     StoreConfig(name=a.store, uuid=store_uuid, page_size=page_size, devices=tuple(a.device),
                 servers=tuple(ServerConfig(n, sync) for n, _, sync in specs))
-    servers = [ServerConfig(n, sync, create_keypair(a.store, n, home)) for n, _, sync in specs]
+    events = dict(e.partition("=")[::2] for e in (a.events or []))
+    unknown = set(events) - {n for n, _, _ in specs}
+    if unknown:
+        raise ValueError(f"--events names servers that are not in --server: {sorted(unknown)}")
+    for n, addr in events.items():
+        ServerConfig(n, "", "", addr)  # validate
+    servers = [ServerConfig(n, sync, create_keypair(a.store, n, home), events.get(n, "")) for n, _, sync in specs]
     cfg = StoreConfig(name=a.store, uuid=store_uuid, page_size=page_size, devices=tuple(a.device),
                       servers=tuple(servers))
     for d in a.device:
@@ -169,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--page-size", required=True, metavar="SIZE", help="bytes per page, multiple of 4KiB (e.g. 256KiB)")
     c.add_argument("--server", action="append", required=True, metavar="NAME[=HOST:PORT]",
                    help="allowed server and its sync address (repeat); one area per server per device")
+    c.add_argument("--events", action="append", metavar="NAME=HOST:PORT",
+                   help="publish vLLM-format KV events of server NAME on PORT (replay on PORT+1); repeatable")
     c.add_argument("--device-size", metavar="SIZE", help="create missing device paths as sparse files of SIZE")
     c.add_argument("--force", action="store_true", help="reformat devices of another store (their pages are lost)")
     c.set_defaults(fn=cmd_create)

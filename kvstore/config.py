@@ -73,6 +73,9 @@ class ServerConfig:
     is served on PORT+1 (needed when several servers share the store)."""
     public_key: str = ""
     """Its CurveZMQ public key (Z85, 40 characters); only these keys may connect to peers."""
+    events: str = ""
+    """``HOST:PORT`` where its service publishes vLLM-format KV events (PUB on PORT, replay
+    ROUTER on PORT+1) for cache-aware routers; empty: no events."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "server")
@@ -81,6 +84,10 @@ class ServerConfig:
             if not m or not 1 <= int(m.group(2)) <= 65534:
                 raise ValueError(f"server {self.name}: sync address {self.sync!r} is not HOST:PORT "
                                  "(PORT 1..65534; PORT+1 is used too)")
+        if self.events:
+            m = re.match(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$", self.events)
+            if not m or not 1 <= int(m.group(2)) <= 65534:
+                raise ValueError(f"server {self.name}: events address {self.events!r} is not HOST:PORT")
         if self.public_key and len(self.public_key) != 40:
             raise ValueError(f"server {self.name}: public_key must be 40 Z85 characters")
 

@@ -22,16 +22,19 @@ from .storage.device import format_device
 
 def make_store(home: Path, name: str, devices: list[str], page_size: int, servers: list[str] | None = None,
                *, service: ServiceConfig | None = None, worker: WorkerConfig | None = None,
-               sync: SyncConfig | None = None, force: bool = False) -> StoreConfig:
+               sync: SyncConfig | None = None, events: dict[str, str] | None = None,
+               force: bool = False) -> StoreConfig:
     """Create a store config under ``home``, a keypair per server, and format its devices.
 
-    ``servers`` are ``NAME`` or ``NAME=HOST:PORT`` (several servers need sync addresses).
+    ``servers`` are ``NAME`` or ``NAME=HOST:PORT`` (several servers need sync addresses);
+    ``events`` maps a server name to its KV events ``HOST:PORT``.
     """
     from .crdt.keys import create_keypair
 
     specs = [s.partition("=") for s in (servers or ["local"])]
     cfg = StoreConfig(name=name, uuid=str(uuid.uuid4()), page_size=page_size, devices=tuple(devices),
-                      servers=tuple(ServerConfig(n, sync, create_keypair(name, n, home)) for n, _, sync in specs),
+                      servers=tuple(ServerConfig(n, sync, create_keypair(name, n, home), (events or {}).get(n, ""))
+                                    for n, _, sync in specs),
                       service=service or ServiceConfig(), worker=worker or WorkerConfig(),
                       sync=sync or SyncConfig())
     names = [n for n, _, _ in specs]

@@ -165,6 +165,7 @@ class Supervisor:
         self.agent_restarts = 0
         self.to_publish: list[int] = []
         self.epoch = new_epoch()
+        self.events: Any = None
         self.log = log.bind(store=cfg.name, server=server)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -232,7 +233,7 @@ class Supervisor:
             for r in self.own:
                 self.local[r.start:r.stop] = True
             self.alloc = Allocator(self.slots, self.own, gens, cfg.service.retire_grace_s,
-                                   on_retire=self.to_publish.append)
+                                   on_retire=self._on_retire)
             self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
                           seconds=round(rep.seconds, 3))
             for d, path in enumerate(cfg.devices):
@@ -246,8 +247,17 @@ class Supervisor:
             if len(cfg.servers) > 1:
                 seg = self._segment("sync", SyncRings.nbytes())
                 self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
-                                     cfg.sync.delta_log_records, self.stats)
+                                     cfg.sync.delta_log_records, self.stats, on_change=self._on_merge)
                 self._spawn_agent()
+            me = cfg.servers[self.area]
+            if me.events:
+                from ..engines.events import EventPublisher
+
+                host, _, port = me.events.rpartition(":")
+                self.events = EventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}",
+                                             f"kvstore:{cfg.name}")
+                self.events.add({"type": "AllBlocksCleared"})
+                self._emit_stored(np.nonzero(self.slots["state"] == VALID)[0])
             self._listen()
             (self.rundir / f"{self.server}.pid").write_text(f"{os.getpid()}\n")
             self.log.info("service started", pid=os.getpid(), devices=len(cfg.devices), slots=total,
@@ -268,6 +278,27 @@ class Supervisor:
                                   name=f"kvstore-io-{cfg.name}-{w.device}")
         w.proc.start()
         self.stats.dev_set(w.device, "pid", w.proc.pid)
+
+    def _digests(self, gids: Any) -> list[bytes]:
+        s = self.slots[np.asarray(gids, dtype=np.int64)]
+        return [bytes(x) for x in np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1).astype("<u8")]
+
+    def _on_retire(self, gid: int) -> None:
+        self.to_publish.append(gid)
+        self._emit_removed(self._digests([gid]))
+
+    def _on_merge(self, removed: list[bytes], stored_gids: Any) -> None:
+        self._emit_removed(removed)
+        self._emit_stored(stored_gids)
+
+    def _emit_stored(self, gids: Any) -> None:
+        if self.events is not None and len(gids):
+            for s in range(0, len(gids), 1024):
+                self.events.stored(self._digests(gids[s:s + 1024]))
+
+    def _emit_removed(self, digests: list[bytes]) -> None:
+        if self.events is not None and digests:
+            self.events.removed(digests)
 
     def _spawn_agent(self) -> None:
         cfg = self.cfg
@@ -563,6 +594,7 @@ class Supervisor:
                             # another server's slot: distrust this generation only (RETIRED at the
                             # same generation outranks a re-delivered VALID; its next write does not)
                             self.slots["state"][op.gid] = RETIRED
+                            self._emit_removed(self._digests([op.gid]))
                     self.log.warning("page failed validation; location dropped", gid=op.gid,
                                      reason="header" if status == ST_BAD_HEADER else "checksum")
                 else:
@@ -573,6 +605,7 @@ class Supervisor:
                 self.alloc.commit(op.gid, op.words, op.length)
                 self.index.insert(op.words, op.gid)
                 self.to_publish.append(op.gid)
+                self._emit_stored([op.gid])
                 ch.results[op.index] = P.R_STORED
                 self.stats.add("pages_written")
                 self.stats.add("bytes_written", op.length)
@@ -673,6 +706,8 @@ class Supervisor:
                 if now - last >= TICK_S:
                     last = now
                     self._poll_sockets()
+                    if self.events is not None:
+                        self.events.tick()
                     self._check_workers()
                     self._gauges()
                 if n == 0:
@@ -690,6 +725,9 @@ class Supervisor:
     def shutdown(self) -> None:
         """Stop workers, disconnect clients, remove every segment, semaphore, socket and pid file."""
         self.stop = True
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.lsock is not None:
             self.lsock.close()
             self.lsock = None

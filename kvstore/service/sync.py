@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,9 @@ class SyncLink:
     """Invariant: every own update is in the delta log before it is offered to the agent."""
 
     def __init__(self, buf: Any, slots: np.ndarray[Any, Any], smap: SlotMap, index: KeyIndex, area: int,
-                 epoch: int, log_capacity: int, stats: StatsBlock) -> None:
+                 epoch: int, log_capacity: int, stats: StatsBlock,
+                 on_change: Callable[[list[bytes], np.ndarray[Any, Any]], None] | None = None) -> None:
+        """``on_change(removed digests, gids now valid)`` hears what each merge changed (KV events)."""
         self.rings = SyncRings(buf)
         self.slots = slots
         self.smap = smap
@@ -56,6 +59,7 @@ class SyncLink:
         self.log = DeltaLog(log_capacity)
         self.stats = stats
         self.answers: deque[_Answer] = deque()
+        self.on_change = on_change
 
     def publish(self, gids: list[int]) -> None:
         """Record own slots' current registers as updates and offer them to the agent."""
@@ -83,9 +87,17 @@ class SyncLink:
         remote = recs[recs["kind"] == K_REMOTE]
         if len(remote):
             regs = to_registers(remote)
-            changed = apply(self.slots, gids_of(self.smap, regs), regs)
+            gids = gids_of(self.smap, regs)
+            uniq = np.unique(gids)
+            before = self.slots[uniq]  # a copy: what the join may overwrite
+            changed = apply(self.slots, gids, regs)
             if len(changed):
                 valid = changed[self.slots["state"][changed] == VALID]
+                if self.on_change is not None:
+                    old = before[np.searchsorted(uniq, changed)]
+                    gone = old[old["state"] == VALID]
+                    digests = np.stack([gone["d0"], gone["d1"], gone["d2"], gone["d3"]], axis=1).astype("<u8")
+                    self.on_change([bytes(d) for d in digests], valid)
                 if len(valid):
                     s = self.slots[valid]
                     self.index.insert_many(np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1), valid)
