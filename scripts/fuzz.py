@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Fuzz kvstore's decoders: the IPC request path of a live service, the peer wire decoder,
+and the superblock and slot header parsers.
+
+    .venv/bin/python scripts/fuzz.py --seconds 120 --json fuzz.json          # every target
+    .venv/bin/python scripts/fuzz.py --target ipc --seconds 300
+
+* ``ipc``: a hostile client of a real service writes random requests (random
+  op, count, flags, keys, buffer indices, lengths, buffer states) into its
+  shared-memory channel and rings the doorbell; after every request the
+  service must still answer a well-behaved client, and at the end it must
+  still serve correct pages and stop cleanly.
+* ``peer``: ``crdt.delta.decode`` on random bytes and on mutations (bit
+  flips, truncations, splices, field swaps) of valid messages.
+* ``superblock`` / ``header``: the on-device parsers on random and mutated blocks.
+
+Every decoder must either accept the input or reject it with its own error;
+anything else (a crash, a hang, another exception) fails the run (exit 1).
+Memory stays bounded: inputs are generated, tried and dropped one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstore.crdt.delta import BadMessage, decode, encode  # noqa: E402
+from kvstore.crdt.register import REGISTER_DTYPE  # noqa: E402
+from kvstore.errors import CorruptPage  # noqa: E402
+from kvstore.shm.slots import VALID, SlotMap  # noqa: E402
+from kvstore.storage.header import SlotHeader  # noqa: E402
+from kvstore.storage.superblock import Superblock, plan_areas  # noqa: E402
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(5)
+        if op == 0 and b:
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+        elif op == 1 and b:
+            del b[rng.randrange(len(b)):]
+        elif op == 2:
+            i = rng.randrange(len(b) + 1)
+            b[i:i] = rng.randbytes(rng.randint(1, 16))
+        elif op == 3 and len(b) > 8:
+            i, j = sorted(rng.sample(range(len(b)), 2))
+            b[i:j] = b[i:j][::-1]
+        else:
+            i = rng.randrange(len(b) + 1)
+            b[i:i + 8] = rng.choice([b"\xff" * 8, b"\x00" * 8, (2**63).to_bytes(8, "little")])
+    return bytes(b)
+
+
+def run_parser(name: str, seconds: float, seeds: list[bytes], parse: Callable[[bytes], Any],
+               ok_errors: tuple[type[BaseException], ...]) -> dict[str, Any]:
+    rng = random.Random(name)
+    n = rejected = 0
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        data = rng.randbytes(rng.randint(0, 5000)) if rng.random() < 0.2 else mutate(rng, rng.choice(seeds))
+        try:
+            parse(data)
+        except ok_errors:
+            rejected += 1
+        n += 1
+    return {"target": name, "inputs": n, "rejected": rejected, "seconds": seconds}
+
+
+def fuzz_peer(seconds: float) -> dict[str, Any]:
+    smap = SlotMap([[100] * 4, [100] * 4])
+    r = np.zeros(20, REGISTER_DTYPE)
+    r["area"], r["slot"], r["gen"], r["state"], r["length"] = 1, np.arange(20), np.arange(1, 21), VALID, 4096
+    seeds = [encode("d", 1, 7, 0, r), encode("hb", 1, 7, 3), encode("q", 1, 7, 0),
+             encode("a", 1, 7, 0, r, next_seq=20, snapshot=True, last=True)]
+    return run_parser("peer", seconds, seeds, lambda d: decode(d, smap, 65536, 1), (BadMessage,))
+
+
+def fuzz_superblock(seconds: float) -> dict[str, Any]:
+    sb = Superblock(uuid.uuid4().bytes, "s", 1, 65536, 64 << 20, 0, 1, plan_areas(64 << 20, 65536, ["a", "b"]))
+    return run_parser("superblock", seconds, [sb.encode()], Superblock.decode, (CorruptPage,))
+
+
+def fuzz_header(seconds: float) -> dict[str, Any]:
+    h = SlotHeader(uuid.uuid4().bytes, 0, 1, 2, 3, os.urandom(32), 4096, 99, 5)
+    def parse(d: bytes) -> SlotHeader:
+        got = SlotHeader.decode(d)
+        if got is None:  # the parser's way of saying "not a valid header"
+            raise LookupError
+        return got
+
+    return run_parser("header", seconds, [h.encode() + bytes(4096 - 128)], parse, (LookupError,))
+
+
+def fuzz_ipc(seconds: float) -> dict[str, Any]:
+    from kvstore import KVCacheClient
+    from kvstore.config import ServiceConfig
+    from kvstore.quickstart import page_bytes
+    from kvstore.shm import arena as A
+    from kvstore.testing import ServiceProcess, make_store
+
+    ps = 16384
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-fuzz-"))
+    rng = random.Random("ipc")
+    res: dict[str, Any] = {"target": "ipc", "inputs": 0, "answered": 0, "unanswered": 0}
+    try:
+        dev = tmp / "dev.img"
+        with open(dev, "wb") as f:
+            f.truncate((1 << 20) + 256 * (4096 + ps))
+        make_store(tmp, "fz", [str(dev)], ps, service=ServiceConfig(client_buffers=16, max_clients=4))
+        with ServiceProcess(tmp, "fz") as svc:
+            good_keys = [b"good/%d" % i for i in range(16)]
+            with KVCacheClient.connect("fz", home=tmp) as good, KVCacheClient.connect("fz", home=tmp) as evil:
+                good.put(good_keys, [page_bytes(k, ps) for k in good_keys], wait=True)
+                ch = evil._chan  # the hostile client writes its channel by hand
+                lease = evil._lease
+                t_end = time.monotonic() + seconds
+                rid = 1 << 40
+                while time.monotonic() < t_end:
+                    n = rng.randint(0, ch.max_batch + 4)
+                    ch.keys[:] = np.frombuffer(rng.randbytes(ch.keys.size), np.uint8).reshape(ch.keys.shape)
+                    for i in range(ch.max_batch):
+                        ch.bufs[i] = rng.choice([rng.randrange(-5, 5000), lease.start + rng.randrange(len(lease))])
+                        ch.lengths[i] = rng.choice([0, ps, ps + 1, rng.randrange(1 << 32)])
+                    for b in lease:  # random states, including ones the protocol forbids
+                        evil._arena.set_state(b, rng.randrange(5))
+                    rid += 1
+                    try:
+                        ch.requests.put_nowait((rid, rng.choice([0, 1, 2, 3, 4, 9, 2**32 - 1]), n,
+                                                rng.randrange(1 << 32), rng.randrange(-5, 5), rng.randrange(1 << 40)))
+                    except Exception:
+                        pass
+                    evil._doorbell.release()
+                    res["inputs"] += 1
+                    deadline = time.monotonic() + 2.0
+                    answered = False
+                    while time.monotonic() < deadline:
+                        if len(ch.responses):
+                            ch.responses.get_nowait()
+                            answered = True
+                            break
+                        time.sleep(0.0002)
+                    res["answered" if answered else "unanswered"] += 1
+                    if res["inputs"] % 50 == 0:  # the service still serves a good client, correctly
+                        with good.get(good_keys) as b:
+                            assert all(v is not None and bytes(v) == page_bytes(k, ps).tobytes()
+                                       for k, v in zip(good_keys, b)), "good client got a wrong or missing page"
+                    if svc.proc is not None and svc.proc.poll() is not None:
+                        raise AssertionError(f"service died: {svc.log.read_text()[-2000:]}")
+                for b in lease:
+                    evil._arena.set_state(b, A.FREE)
+                with good.get(good_keys) as b:
+                    assert all(v is not None and bytes(v) == page_bytes(k, ps).tobytes() for k, v in zip(good_keys, b))
+            rc = svc.stop()
+            assert rc == 0, f"service did not stop cleanly ({rc})"
+            assert not svc.leftovers()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res["seconds"] = seconds
+    return res
+
+
+TARGETS = {"ipc": fuzz_ipc, "peer": fuzz_peer, "superblock": fuzz_superblock, "header": fuzz_header}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", action="append", choices=sorted(TARGETS))
+    ap.add_argument("--seconds", type=float, default=60.0, help="per target")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    out = []
+    for t in a.target or list(TARGETS):
+        r = TARGETS[t](a.seconds)
+        r["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out.append(r)
+        print(json.dumps(r))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
