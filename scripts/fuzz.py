@@ -64,6 +64,9 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
         else:
             i = rng.randrange(len(b) + 1)
             b[i:i + 8] = rng.choice([b"\xff" * 8, b"\x00" * 8, (2**63).to_bytes(8, "little")])
+    if bytes(b) == data and b:  # a mutation that changed nothing (zeros over zeros): flip a bit
+        i = rng.randrange(len(b))
+        b[i] ^= 1 << rng.randrange(8)
     return bytes(b)
 
 
