@@ -149,7 +149,8 @@ class KVCacheClient:
             server: which local service, if several servers of the store run here.
             home: MASS_HOME (default: the ``MASS_HOME`` env var, else ``~/.mass``).
             timeout: seconds any call may take before raising ``Timeout``.
-            tenant: tenant name (reserved; all tenants share the store's salt for now).
+            tenant: the tenant whose key space this connection uses: tenants share pages only
+                when the store config maps them to one namespace (``[namespaces]``).
 
         Raises:
             StoreNotFound: no such store, or no service of it runs here.

@@ -12,6 +12,7 @@ This module is the only place that reads environment variables.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -193,6 +194,9 @@ class StoreConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    namespaces: dict[str, str] = field(default_factory=dict)
+    """Tenant -> shared namespace. Every tenant has a key space of its own (its own salt);
+    tenants mapped to the same namespace share one. The tenant "" is the default namespace."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "store")
@@ -215,6 +219,19 @@ class StoreConfig:
                     raise ValueError(f"server {sv.name} needs a sync address (NAME=HOST:PORT) in a store "
                                      "with several servers")
         bytes.fromhex(self.salt)
+        for t, ns in self.namespaces.items():
+            check_name(t, "tenant")
+            check_name(ns, "namespace")
+
+    def tenant_salt(self, tenant: str) -> bytes:
+        """The salt of ``tenant``'s key space (see ``namespaces``); raises ``ValueError`` on a bad name."""
+        if tenant:
+            check_name(tenant, "tenant")
+        ns = self.namespaces.get(tenant, tenant)
+        if not ns:
+            return bytes.fromhex(self.salt)
+        return hashlib.blake2b(ns.encode(), digest_size=32, key=bytes.fromhex(self.salt),
+                               person=b"kvstore-tenant").digest()
 
     @property
     def uuid_bytes(self) -> bytes:
@@ -245,6 +262,7 @@ class StoreConfig:
             "worker": asdict(self.worker),
             "service": asdict(self.service),
             "sync": asdict(self.sync),
+            "namespaces": dict(self.namespaces),
         }
         return tomli_w.dumps(doc)
 
@@ -264,6 +282,7 @@ class StoreConfig:
                 worker=WorkerConfig(**doc.get("worker", {})),
                 service=ServiceConfig(**doc.get("service", {})),
                 sync=SyncConfig(**doc.get("sync", {})),
+                namespaces=dict(doc.get("namespaces", {})),
             )
         except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"malformed store config: {e}") from None

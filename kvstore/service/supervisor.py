@@ -99,6 +99,8 @@ class Conn:
     lease_start: int
     lease_count: int
     pid: int
+    salt: bytes = b""
+    tenant: str = ""
     alive: bool = True
     busy: Request | None = None
     ops: int = 0  # I/Os in flight that use this connection's buffers
@@ -157,7 +159,6 @@ class Supervisor:
         self.writing: dict[bytes, int] = {}
         self.next_tag = 1
         self.rr = 0
-        self.salt = bytes.fromhex(cfg.salt)
         self.lsock: socket.socket | None = None
         self.zombies: list[tuple[Any, list[int]]] = []
         self.sync: SyncLink | None = None
@@ -361,6 +362,15 @@ class Supervisor:
             return
         if len(self.conns) >= self.cfg.service.max_clients:
             self._reap()  # a client that just closed must not hold a place against this one
+        tenant = msg.get("tenant", "")
+        try:
+            if not isinstance(tenant, str):
+                raise ValueError("tenant must be a string")
+            salt = self.cfg.tenant_salt(tenant)
+        except ValueError as e:
+            P.send_frame(s, {"v": P.VERSION, "ok": False, "kind": "tenant", "error": str(e)})
+            s.close()
+            return
         used = {c.id for c in self.conns.values()}
         free = [i for i in range(self.cfg.service.max_clients) if i not in used]
         if not free or self.stop:
@@ -378,7 +388,8 @@ class Supervisor:
         seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb))
         sem_name = self.prefix + f"c{cid}.s"
         sem = create_semaphore(sem_name)
-        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, int(msg.get("pid", 0)))
+        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, int(msg.get("pid", 0)),
+                    salt, tenant)
         P.send_frame(s, {
             "v": P.VERSION, "ok": True, "client_id": cid, "page_size": self.cfg.page_size, "max_batch": nb,
             "lease_start": start, "lease_count": nb, "arena": self.prefix + "arena",
@@ -389,7 +400,7 @@ class Supervisor:
         s.setblocking(False)
         self.conns[cid] = conn
         self.stats.add("clients_total")
-        self.log.info("client connected", client=cid, pid=conn.pid)
+        self.log.info("client connected", client=cid, pid=conn.pid, tenant=tenant)
 
     def _poll_sockets(self) -> None:
         self._accept()
@@ -462,7 +473,7 @@ class Supervisor:
             if (bufs < lo).any() or (bufs >= hi).any() or len(set(bufs.tolist())) != count \
                     or any(self.arena.state(int(b)) != A.SERVICE for b in bufs):
                 return self._respond(req, P.S_BAD_REQUEST)
-        words = salted_words(ch.keys[:count], self.salt)
+        words = salted_words(ch.keys[:count], conn.salt)
         if op == P.OP_LOOKUP:
             return self._lookup(req, words)
         conn.busy = req

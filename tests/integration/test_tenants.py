@@ -1,0 +1,93 @@
+"""Tenant isolation: each tenant's keys live in a key space of their own unless namespaces are shared."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore import KVCacheClient, KVStoreError
+from kvstore.config import load_store, run_dir, save_store
+from kvstore.quickstart import page_bytes
+from kvstore.testing import make_store
+
+pytestmark = pytest.mark.integration
+PS = 16 << 10
+
+
+def test_tenants_cannot_hit_or_read_each_other(home: Path, file_devices: Any, services: Any) -> None:
+    (dev,) = file_devices.make(1, (1 << 20) + 100 * (4096 + PS))
+    make_store(home, "t", [dev], PS)
+    services(home, "t")
+    keys = [b"system-prompt/%d" % i for i in range(8)]
+    pages = [page_bytes(k, PS) for k in keys]
+    with KVCacheClient.connect("t", home=home, tenant="alice") as a, \
+            KVCacheClient.connect("t", home=home, tenant="bob") as b, \
+            KVCacheClient.connect("t", home=home) as default:
+        assert a.put(keys, pages, wait=True).stored == 8
+        assert a.lookup(keys) == 8
+        # bob and the default tenant see nothing of alice's: no hit, no read, no dedup
+        for other in (b, default):
+            assert other.lookup(keys) == 0 and other.contains(keys) == [False] * 8
+            with other.get(keys) as v:
+                assert v.hits == 0
+        r = b.put(keys, [bytes(PS)] * 8, wait=True)  # bob's own pages under the same key bytes
+        assert r.stored == 8
+        with a.get(keys) as va, b.get(keys) as vb:
+            assert all(bytes(x) == p.tobytes() for x, p in zip(va, pages))  # alice still reads hers
+            assert all(bytes(x) == bytes(PS) for x in vb)                  # bob reads his
+    with pytest.raises(KVStoreError, match="tenant name"):
+        KVCacheClient.connect("t", home=home, tenant="Bad Name")
+
+
+def test_shared_namespace(home: Path, file_devices: Any, services: Any) -> None:
+    (dev,) = file_devices.make(1, (1 << 20) + 100 * (4096 + PS))
+    cfg = make_store(home, "t", [dev], PS)
+    save_store(dataclasses.replace(cfg, namespaces={"alice": "team", "bob": "team"}), home)
+    services(home, "t")
+    keys = [b"doc/%d" % i for i in range(4)]
+    with KVCacheClient.connect("t", home=home, tenant="alice") as a, \
+            KVCacheClient.connect("t", home=home, tenant="bob") as b, \
+            KVCacheClient.connect("t", home=home, tenant="carol") as c:
+        a.put(keys, [page_bytes(k, PS) for k in keys], wait=True)
+        assert b.lookup(keys) == 4 and b.put(keys, [bytes(PS)] * 4, wait=True).skipped == 4
+        with b.get(keys) as v:
+            assert all(bytes(x) == page_bytes(k, PS).tobytes() for k, x in zip(keys, v))
+        assert c.lookup(keys) == 0
+    assert load_store("t", home).namespaces == {"alice": "team", "bob": "team"}
+
+
+def test_other_local_users_cannot_connect(home: Path, file_devices: Any, services: Any) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    other_python = "/usr/bin/python3"  # an interpreter the other user may execute
+    if not os.access(other_python, os.X_OK):
+        pytest.skip("no system python3 for the other user")
+    (dev,) = file_devices.make(1, (1 << 20) + 20 * (4096 + PS))
+    make_store(home, "t", [dev], PS)
+    svc = services(home, "t")
+    sock = run_dir("t", home) / "local.sock"
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+    for seg in svc.leftovers():  # every live segment and semaphore is owner-only
+        assert stat.S_IMODE(os.stat(Path("/dev/shm") / seg).st_mode) == 0o600
+    # open every directory on the way (only for this test), so that the socket's own mode decides
+    opened = [d for d in [sock.parent, *sock.parent.parents] if d != Path("/")]
+    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
+    try:
+        for d in opened:
+            os.chmod(d, modes[d] | 0o005)
+        code = ("import socket; s = socket.socket(socket.AF_UNIX); print('socket made', flush=True); "
+                f"s.connect({str(sock)!r}); print('connected')")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", other_python, "-c", code],
+                           capture_output=True, text=True, cwd="/")
+    finally:
+        for d in opened:
+            os.chmod(d, modes[d])
+    # the interpreter ran and made its socket; the connect itself was refused
+    assert "socket made" in r.stdout and "connected" not in r.stdout, r.stdout + r.stderr
+    assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
