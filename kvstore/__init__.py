@@ -16,6 +16,7 @@ from .errors import CorruptPage as CorruptPage
 from .errors import DeviceMismatch as DeviceMismatch
 from .errors import KVStoreError as KVStoreError
 from .errors import NotAllowed as NotAllowed
+from .errors import QuotaExceeded as QuotaExceeded
 from .errors import ServiceLost as ServiceLost
 from .errors import StoreNotFound as StoreNotFound
 from .errors import Timeout as Timeout
@@ -24,7 +25,7 @@ from .errors import WouldBlock as WouldBlock
 
 __all__ = [
     "AlreadyRunning", "ClosedError", "CorruptPage", "DeviceMismatch", "KVCacheClient", "KVStoreError",
-    "NotAllowed", "PageBatch", "PutResult", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
+    "NotAllowed", "PageBatch", "PutResult", "QuotaExceeded", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
     "StoreNotFound", "Timeout", "WorkerConfig", "WorkerLost", "WouldBlock",
 ]
 __version__ = "0.1.0"

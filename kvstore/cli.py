@@ -106,6 +106,7 @@ def cmd_connect(a: argparse.Namespace) -> int:
 
 def cmd_status(a: argparse.Namespace) -> int:
     from .shm.segment import Segment, name_prefix, pid_alive
+    from .shm.board import Board
     from .shm.stats import StatsBlock
 
     home = mass_home()
@@ -124,6 +125,8 @@ def cmd_status(a: argparse.Namespace) -> int:
                 st = StatsBlock.attach(seg.buf).snapshot()
                 entry["stats"] = dataclasses.asdict(st)
                 del st
+                board = Segment.attach(name_prefix(home, cfg.name, name) + "board")
+                entry["tenants"] = (Board(board.buf).read() or {}).get("tenants", {})
             except Exception as exc:  # a service between start and ready
                 entry["stats_error"] = str(exc)
         out["servers"][name] = entry
@@ -150,6 +153,10 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"  faults  {sv.get('validation_failures', 0)} validation failures, {sv.get('io_errors', 0)} "
               f"I/O errors, {sv.get('worker_restarts', 0)} worker restarts; {sv.get('evictions', 0)} evictions")
         print(f"  clients {sv.get('clients_connected', 0)} connected")
+        for t, u in sorted(srv.get("tenants", {}).items()):
+            q = "unlimited" if u["quota"] is None else u["quota"]
+            print(f"  tenant {t or '(default)'}: {u['slots']} slots (quota {q}), "
+                  f"{u['pinned']} pinned (pin quota {u['pin_quota']})")
     return EXIT_OK
 
 

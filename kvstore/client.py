@@ -30,7 +30,7 @@ from typing import Any
 
 
 from .config import check_name, mass_home, run_dir, store_path
-from .errors import ClosedError, KVStoreError, ServiceLost, StoreNotFound, Timeout
+from .errors import ClosedError, KVStoreError, QuotaExceeded, ServiceLost, StoreNotFound, Timeout
 from .service import protocol as P
 from .shm import arena as A
 from .shm.segment import Segment, attach_semaphore, wait_semaphore
@@ -429,6 +429,42 @@ class KVCacheClient:
                 for r in ch.results[:n].tolist():
                     counts[r] = counts.get(r, 0) + 1
         return PutResult(counts[P.R_STORED], counts[P.R_QUEUED], counts[P.R_SKIPPED], counts[P.R_DROPPED])
+
+    def pin(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Pin pages (a shared system prompt, say) so that this server never evicts them.
+
+        Only pages held in this server's own areas can be pinned here; pins belong to
+        the tenant, outlive this connection, and last until ``unpin`` or a service
+        restart. Returns how many of ``keys`` are pinned.
+
+        Raises:
+            QuotaExceeded: the tenant's pin quota is reached (the pages before the limit stay pinned).
+            TypeError: a key is not ``bytes``.
+        """
+        n, quota = self._pin_op(P.OP_PIN, keys, timeout)
+        if quota:
+            raise QuotaExceeded(f"{quota} page(s) not pinned: the tenant's pin quota is reached ({n} pinned by "
+                                "this call); unpin some pages or ask for a larger [pin_quotas] entry")
+        return n
+
+    def unpin(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Release this tenant's pins of ``keys``; returns how many were pinned."""
+        return self._pin_op(P.OP_UNPIN, keys, timeout)[0]
+
+    def _pin_op(self, op: int, keys: Sequence[bytes], timeout: float | None) -> tuple[int, int]:
+        keys = list(keys)
+        deadline = self._deadline(timeout)
+        done = quota = 0
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(keys), self.max_batch):
+                n = min(self.max_batch, len(keys) - start)
+                self._keys(keys, start, n)
+                self._call(op, n, 0, deadline)
+                res = self._chan.results[:n]
+                done += int((res == P.R_PINNED).sum())
+                quota += int((res == P.R_QUOTA).sum())
+        return done, quota
 
     def ping(self, *, timeout: float | None = None) -> float:
         """Round-trip a no-op through the service; returns seconds taken."""

@@ -197,6 +197,12 @@ class StoreConfig:
     namespaces: dict[str, str] = field(default_factory=dict)
     """Tenant -> shared namespace. Every tenant has a key space of its own (its own salt);
     tenants mapped to the same namespace share one. The tenant "" is the default namespace."""
+    quotas: dict[str, int] = field(default_factory=dict)
+    """Tenant -> most slots its pages may hold in each server's own areas ("*": every tenant
+    not listed). A tenant at its quota evicts its own pages (CLOCK over them) to write more."""
+    pin_quotas: dict[str, int] = field(default_factory=dict)
+    """Tenant -> most pages it may pin per server ("*": every tenant not listed; default a
+    quarter of the server's own slots)."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "store")
@@ -222,6 +228,20 @@ class StoreConfig:
         for t, ns in self.namespaces.items():
             check_name(t, "tenant")
             check_name(ns, "namespace")
+        for what, table in (("quotas", self.quotas), ("pin_quotas", self.pin_quotas)):
+            for t, n in table.items():
+                if t != "*":
+                    check_name(t, "tenant")
+                if not isinstance(n, int) or n < 0:
+                    raise ValueError(f"{what}[{t!r}] must be an integer >= 0, got {n!r}")
+
+    def quota_for(self, tenant: str) -> int | None:
+        """Slot quota of ``tenant`` per server, or ``None`` when unlimited."""
+        return self.quotas.get(tenant, self.quotas.get("*"))
+
+    def pin_quota_for(self, tenant: str, own_slots: int) -> int:
+        """Pin quota of ``tenant`` per server."""
+        return self.pin_quotas.get(tenant, self.pin_quotas.get("*", own_slots // 4))
 
     def tenant_salt(self, tenant: str) -> bytes:
         """The salt of ``tenant``'s key space (see ``namespaces``); raises ``ValueError`` on a bad name."""
@@ -263,6 +283,8 @@ class StoreConfig:
             "service": asdict(self.service),
             "sync": asdict(self.sync),
             "namespaces": dict(self.namespaces),
+            "quotas": dict(self.quotas),
+            "pin_quotas": dict(self.pin_quotas),
         }
         return tomli_w.dumps(doc)
 
@@ -283,6 +305,8 @@ class StoreConfig:
                 service=ServiceConfig(**doc.get("service", {})),
                 sync=SyncConfig(**doc.get("sync", {})),
                 namespaces=dict(doc.get("namespaces", {})),
+                quotas=dict(doc.get("quotas", {})),
+                pin_quotas=dict(doc.get("pin_quotas", {})),
             )
         except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"malformed store config: {e}") from None

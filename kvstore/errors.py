@@ -50,6 +50,11 @@ class WouldBlock(KVStoreError):
     """A ``*_nowait`` call could not proceed without waiting; retry or use the blocking call."""
 
 
+class QuotaExceeded(KVStoreError):
+    """A tenant limit was reached (pinned pages); unpin some, or ask the administrator for a
+    larger quota (``[pin_quotas]`` in the store config)."""
+
+
 class Timeout(KVStoreError):
     """A call did not complete within its timeout; the cache may be overloaded.
 

@@ -85,6 +85,10 @@ class Allocator:
         self.clock = clock
         n = len(slots)
         self.pins = np.zeros(n, dtype=np.int32)
+        self.sticky = np.zeros(n, dtype=np.int32)  # client pins: CLOCK never evicts these
+        self.owner = np.full(n, -1, dtype=np.int32)  # tenant id that wrote the slot (-1: unknown)
+        self.used_by: dict[int, int] = {}            # tenant id -> own slots it holds (valid or being written)
+        self.pinned_by: dict[int, set[int]] = {}     # tenant id -> slots it pinned
         self.ref = np.zeros(n, dtype=np.uint8)
         self.free: list[deque[int]] = []
         self.quarantine: list[deque[tuple[int, float]]] = [deque() for _ in own]
@@ -110,6 +114,14 @@ class Allocator:
 
     def retire(self, gid: int, device: int) -> None:
         """Retire an own VALID slot: tombstone generation (unindexes it), quarantine until safe."""
+        t = int(self.owner[gid])
+        if t >= 0 and self.slots["state"][gid] == VALID:
+            self.used_by[t] = self.used_by.get(t, 0) - 1
+            self.owner[gid] = -1
+        if self.sticky[gid]:  # only a failed validation retires a pinned slot: the pin goes too
+            self.sticky[gid] = 0
+            for pins in self.pinned_by.values():
+                pins.discard(gid)
         s = self.slots[gid]
         s["gen"] = self.gens[device].next()
         s["state"] = RETIRED
@@ -130,14 +142,16 @@ class Allocator:
             q.append((gid, now))  # still pinned: look again later
         return -1
 
-    def _clock_sweep(self, device: int) -> int:
+    def _clock_sweep(self, device: int, tenant: int | None = None) -> int:
         r = self.own[device]
         n = len(r)
         st = self.slots["state"]
         for _ in range(2 * n):
             gid = self.hand[device]
             self.hand[device] = gid + 1 if gid + 1 < r.stop else r.start
-            if st[gid] != VALID or self.pins[gid]:
+            if st[gid] != VALID or self.pins[gid] or self.sticky[gid]:
+                continue
+            if tenant is not None and self.owner[gid] != tenant:
                 continue
             if self.ref[gid]:
                 self.ref[gid] = 0
@@ -149,15 +163,25 @@ class Allocator:
                 return got
         return -1
 
-    def allocate(self, device: int) -> int:
-        """An own slot on ``device`` ready to write (state WRITING, new generation), or -1."""
+    def allocate(self, device: int, tenant: int = -1, quota: int | None = None) -> int:
+        """An own slot on ``device`` ready to write (state WRITING, new generation), or -1.
+
+        A tenant at its ``quota`` gets one of its own pages evicted instead of free space.
+        """
         if not len(self.own[device]):
             return -1
-        gid = self.free[device].popleft() if self.free[device] else self._from_quarantine(device)
-        if gid < 0:
-            gid = self._clock_sweep(device)
+        if quota is not None and self.used_by.get(tenant, 0) >= quota:
+            gid = self._clock_sweep(device, tenant)
+        else:
+            gid = self.free[device].popleft() if self.free[device] else self._from_quarantine(device)
+            if gid < 0:
+                gid = self._clock_sweep(device)
         if gid < 0:
             return -1
+        # a slot counts against its tenant from allocation on: a batch cannot overshoot the quota
+        self.owner[gid] = tenant
+        if tenant >= 0:
+            self.used_by[tenant] = self.used_by.get(tenant, 0) + 1
         s = self.slots[gid]
         s["gen"] = self.gens[device].next()
         s["state"] = WRITING
@@ -174,6 +198,10 @@ class Allocator:
 
     def abandon(self, gid: int, device: int) -> None:
         """The write of ``gid`` failed or was dropped: the slot is empty again."""
+        t = int(self.owner[gid])
+        if t >= 0:
+            self.used_by[t] = self.used_by.get(t, 0) - 1
+            self.owner[gid] = -1
         self.slots[gid]["state"] = EMPTY
         self.free[device].append(gid)
 
@@ -183,6 +211,26 @@ class Allocator:
             self.retire(gid, device)
         elif self.slots["state"][gid] == VALID:
             self.slots[gid]["state"] = EMPTY
+
+    def pin_client(self, gid: int, tenant: int, quota: int) -> bool:
+        """Pin an own VALID slot for ``tenant`` so CLOCK never evicts it; False at the quota."""
+        pins = self.pinned_by.setdefault(tenant, set())
+        if gid in pins:
+            return True
+        if len(pins) >= quota:
+            return False
+        pins.add(gid)
+        self.sticky[gid] += 1
+        return True
+
+    def unpin_client(self, gid: int, tenant: int) -> bool:
+        """Drop ``tenant``'s pin of ``gid``; False if it had none."""
+        pins = self.pinned_by.get(tenant, set())
+        if gid not in pins:
+            return False
+        pins.discard(gid)
+        self.sticky[gid] -= 1
+        return True
 
     def statistics(self) -> AllocatorStatistics:
         """Own slots, free, quarantined, pinned."""

@@ -46,6 +46,8 @@ OP_LOOKUP = 1
 OP_GET = 2
 OP_PUT = 3
 OP_PING = 4
+OP_PIN = 5
+OP_UNPIN = 6
 
 FLAG_WAIT = 1
 
@@ -62,11 +64,13 @@ R_STORED = 2
 R_SKIPPED = 3    # the key is already stored (or being stored)
 R_DROPPED = 4    # no slot could be freed, or the write failed
 R_QUEUED = 5     # accepted, the write completes later (put without wait)
+R_PINNED = 6     # pin: pinned (or already pinned); unpin: unpinned
+R_QUOTA = 7      # pin: the tenant's pin quota is reached
 
 #: one ring record, 32 bytes
 MSG = np.dtype([
     ("req_id", "<u8"),   # client-chosen, echoed in the response
-    ("op", "<u4"),       # OP_*
+    ("op", "<u4"),       # OP_* (1 lookup, 2 get, 3 put, 4 ping, 5 pin, 6 unpin)
     ("count", "<u4"),    # keys in the batch arrays
     ("flags", "<u4"),    # FLAG_*
     ("status", "<i4"),   # S_* (response)

@@ -46,6 +46,7 @@ from ..crdt.keys import load_keypair
 from ..crdt.log import SyncRings
 from ..ioworkers.worker import WorkerParams, worker_main
 from ..shm import arena as A
+from ..shm.board import BOARD_BYTES, Board
 from ..shm.index import ENTRY_DTYPE, KeyIndex, index_capacity
 from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
                            unlink_semaphore, wait_semaphore)
@@ -101,6 +102,7 @@ class Conn:
     pid: int
     salt: bytes = b""
     tenant: str = ""
+    tenant_id: int = -1
     alive: bool = True
     busy: Request | None = None
     ops: int = 0  # I/Os in flight that use this connection's buffers
@@ -167,6 +169,7 @@ class Supervisor:
         self.to_publish: list[int] = []
         self.epoch = new_epoch()
         self.events: Any = None
+        self.tenant_ids: dict[str, int] = {}
         self.log = log.bind(store=cfg.name, server=server)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -222,6 +225,7 @@ class Supervisor:
             self.arena = A.Arena(arena_seg.buf, ctl.buf, self.states_off, self.arena_count, cfg.page_size)
             st = self._segment("stats", stats_nbytes(len(cfg.devices)))
             self.stats = StatsBlock(st.buf, len(cfg.devices), init=True)
+            self.board = Board(self._segment("board", BOARD_BYTES).buf)
             self.stats.set("started_ns", time.time_ns())
             self.doorbell = self._sem("bell")
             # rebuild from headers, then index: other areas first so our own copy wins a duplicate
@@ -388,8 +392,9 @@ class Supervisor:
         seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb))
         sem_name = self.prefix + f"c{cid}.s"
         sem = create_semaphore(sem_name)
+        tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
         conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, int(msg.get("pid", 0)),
-                    salt, tenant)
+                    salt, tenant, tid)
         P.send_frame(s, {
             "v": P.VERSION, "ok": True, "client_id": cid, "page_size": self.cfg.page_size, "max_batch": nb,
             "lease_start": start, "lease_count": nb, "arena": self.prefix + "arena",
@@ -465,9 +470,9 @@ class Supervisor:
         ch = conn.chan
         if op == P.OP_PING:
             return self._respond(req)
-        if op not in (P.OP_LOOKUP, P.OP_GET, P.OP_PUT) or not 0 < count <= ch.max_batch:
+        if op not in (P.OP_LOOKUP, P.OP_GET, P.OP_PUT, P.OP_PIN, P.OP_UNPIN) or not 0 < count <= ch.max_batch:
             return self._respond(req, P.S_TOO_LARGE if count > ch.max_batch else P.S_BAD_REQUEST)
-        if op != P.OP_LOOKUP:
+        if op in (P.OP_GET, P.OP_PUT):
             bufs = ch.bufs[:count]
             lo, hi = conn.lease_start, conn.lease_start + conn.lease_count
             if (bufs < lo).any() or (bufs >= hi).any() or len(set(bufs.tolist())) != count \
@@ -476,6 +481,8 @@ class Supervisor:
         words = salted_words(ch.keys[:count], conn.salt)
         if op == P.OP_LOOKUP:
             return self._lookup(req, words)
+        if op in (P.OP_PIN, P.OP_UNPIN):
+            return self._pin(req, words, op == P.OP_PIN)
         conn.busy = req
         if op == P.OP_GET:
             return self._get(req, words)
@@ -491,6 +498,24 @@ class Supervisor:
         self.stats.add("lookups")
         self.stats.add("lookup_keys", req.count)
         self._respond(req, P.S_OK, lead)
+
+    def _pin(self, req: Request, words: np.ndarray[Any, Any], pin: bool) -> None:
+        conn = req.conn
+        ch = conn.chan
+        gids = self.index.lookup(words, self.local)
+        quota = self.cfg.pin_quota_for(conn.tenant, sum(len(r) for r in self.own))
+        done = 0
+        for i, g in enumerate(gids.tolist()):
+            if g < 0 or not self.local[g]:
+                ch.results[i] = P.R_MISS  # only pages in this server's own areas can be pinned here
+            elif not pin:
+                ch.results[i] = P.R_PINNED if self.alloc.unpin_client(g, conn.tenant_id) else P.R_MISS
+            elif self.alloc.pin_client(g, conn.tenant_id, quota):
+                ch.results[i] = P.R_PINNED
+            else:
+                ch.results[i] = P.R_QUOTA
+            done += int(ch.results[i] == P.R_PINNED)
+        self._respond(req, P.S_OK, done)
 
     def _dispatch(self, req: Request, i: int, gid: int, buf: int, op: int, words: np.ndarray[Any, Any],
                   length: int) -> None:
@@ -542,9 +567,10 @@ class Supervisor:
                 continue
             seen.add(key)
             gid = -1
+            quota = self.cfg.quota_for(req.conn.tenant)
             for k in range(ndev):
                 d = (self.rr + k) % ndev
-                gid = self.alloc.allocate(d)
+                gid = self.alloc.allocate(d, req.conn.tenant_id, quota)
                 if gid >= 0:
                     break
             self.rr = (self.rr + 1) % ndev
@@ -699,6 +725,15 @@ class Supervisor:
         s.set("own_slots", sum(len(r) for r in self.own))
         s.set("own_slots_valid", sum(int(np.count_nonzero(st[r.start:r.stop] == VALID)) for r in self.own))
         s.set("pins", int(np.count_nonzero(self.alloc.pins)))
+        own = sum(len(r) for r in self.own)
+        tenants = {}
+        for name, tid in self.tenant_ids.items():
+            tenants[name] = {"slots": self.alloc.used_by.get(tid, 0), "quota": self.cfg.quota_for(name),
+                             "pinned": len(self.alloc.pinned_by.get(tid, ())),
+                             "pin_quota": self.cfg.pin_quota_for(name, own)}
+        if tenants != getattr(self, "_last_board", None):
+            self.board.write({"tenants": tenants})
+            self._last_board = tenants
 
     def run(self) -> None:
         """Serve until ``stop`` is set (SIGTERM/SIGINT), then shut down."""
