@@ -36,7 +36,7 @@ from ..shm.segment import Segment, attach_semaphore
 from ..shm.slots import SlotMap
 from ..shm.stats import StatsBlock
 from .delta import BadMessage, decode, encode
-from .log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_REMOTE, K_REQUEST,
+from .log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_HINT, K_REMOTE, K_REQUEST,
                   SYNC_REC, SyncRings, to_registers, to_sync)
 
 log = structlog.get_logger(__name__)
@@ -198,6 +198,9 @@ class Agent:
         except BadMessage:
             self.stats.add("sync_messages_rejected")
             return
+        if m.kind == "h":  # lossy by design: dropped if the supervisor is behind
+            self._to_supervisor(to_sync(m.records, K_HINT, peer))
+            return
         if m.kind != "q":
             self.stats.add("sync_messages_rejected")
             return
@@ -241,6 +244,15 @@ class Agent:
                 self.pending_n += len(chunk)
                 if self.pending_n >= self.p.flush_records:
                     self._flush()
+            elif k == K_HINT:
+                for peer in np.unique(chunk["peer"]):
+                    p = int(peer)
+                    if p in self.dealers:
+                        regs = to_registers(chunk[chunk["peer"] == peer])
+                        try:
+                            self.dealers[p].send(encode("h", p, 0, 0, regs), zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass  # hints are lossy
             elif k == K_ANSWER:
                 for peer in np.unique(chunk["peer"]):
                     self.answers[int(peer)].append(to_registers(chunk[chunk["peer"] == peer]))

@@ -7,6 +7,8 @@ Every message is one ZMQ frame holding a msgpack map (docs/FORMAT.md "Peer messa
     {"v": 1, "t": "q",  "o": owner, "e": epoch, "s": from_seq}                        request (DEALER -> ROUTER)
     {"v": 1, "t": "a",  "o": owner, "e": epoch, "s": from_seq, "n": next_seq,
      "snap": bool, "last": bool, "r": <n x 56 bytes>}                                  answer (ROUTER -> DEALER)
+    {"v": 1, "t": "h",  "o": owner, "e": 0, "s": 0, "r": <n x 56 bytes>}              hit hints (DEALER -> ROUTER):
+                                                                                      the owner's slots the sender read
 
 ``owner`` is the area index of the server whose registers these are; ``epoch``
 identifies one run of that server's service (its start time in ns), ``seq``
@@ -31,7 +33,7 @@ from .register import REGISTER_DTYPE
 VERSION = 1
 MAX_RECORDS = 1 << 16
 MAX_MESSAGE = 64 + MAX_RECORDS * REGISTER_DTYPE.itemsize
-KINDS = ("d", "hb", "q", "a")
+KINDS = ("d", "hb", "q", "a", "h")
 
 
 class BadMessage(ValueError):
@@ -43,7 +45,7 @@ class Message:
     """A decoded, validated peer message."""
 
     kind: str
-    """"d" deltas, "hb" heartbeat, "q" request, "a" answer."""
+    """"d" deltas, "hb" heartbeat, "q" request, "a" answer, "h" hit hints."""
     owner: int
     """Area index of the server whose registers (or log) this is about."""
     epoch: int
@@ -64,7 +66,7 @@ def encode(kind: str, owner: int, epoch: int, seq: int, records: np.ndarray[Any,
            *, next_seq: int = 0, snapshot: bool = False, last: bool = True) -> bytes:
     """One message frame."""
     m: dict[str, Any] = {"v": VERSION, "t": kind, "o": owner, "e": epoch, "s": seq}
-    if kind in ("d", "a"):
+    if kind in ("d", "a", "h"):
         assert records is not None and records.dtype == REGISTER_DTYPE
         m["r"] = records.tobytes()
     if kind == "a":
@@ -104,7 +106,7 @@ def decode(data: bytes, smap: SlotMap, page_size: int, expect_owner: int) -> Mes
     epoch = _int(m, "e", 1 << 64)
     seq = _int(m, "s", 1 << 64)
     recs = np.zeros(0, dtype=REGISTER_DTYPE)
-    if kind in ("d", "a"):
+    if kind in ("d", "a", "h"):
         raw = m.get("r")
         if not isinstance(raw, bytes) or len(raw) % REGISTER_DTYPE.itemsize:
             raise BadMessage("register array missing or truncated")

@@ -12,6 +12,7 @@ The sync segment holds two rings of ``SYNC_REC`` (64 bytes; docs/FORMAT.md):
          K_ANSWER (a register for one peer's answer), K_ANSWER_END
     in   agent -> supervisor: K_REMOTE (a peer's validated register),
          K_REQUEST (a peer asks for our log from a seq)
+    both K_HINT: hit hints, batched and lossy (dropped when a ring is full)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ K_ANSWER = 2
 K_ANSWER_END = 3
 K_REMOTE = 4
 K_REQUEST = 5
+K_HINT = 6  # out: slots of owner ``peer`` we read (a hit hint); in: our slots that peer ``peer`` read
 
 #: bits of ``state`` in K_ANSWER_END
 END_SNAPSHOT = 1

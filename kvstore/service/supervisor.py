@@ -166,10 +166,11 @@ class Supervisor:
         self.sync: SyncLink | None = None
         self.agent: Any = None
         self.agent_restarts = 0
-        self.to_publish: list[int] = []
+        self.to_publish: list[tuple[int, Any]] = []
         self.epoch = new_epoch()
         self.events: Any = None
         self.tenant_ids: dict[str, int] = {}
+        self.hints: list[int] = []
         self.log = log.bind(store=cfg.name, server=server)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -252,7 +253,8 @@ class Supervisor:
             if len(cfg.servers) > 1:
                 seg = self._segment("sync", SyncRings.nbytes())
                 self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
-                                     cfg.sync.delta_log_records, self.stats, on_change=self._on_merge)
+                                     cfg.sync.delta_log_records, self.stats, on_change=self._on_merge,
+                                     on_hint=self._on_hint)
                 self._spawn_agent()
             me = cfg.servers[self.area]
             if me.events:
@@ -288,9 +290,18 @@ class Supervisor:
         s = self.slots[np.asarray(gids, dtype=np.int64)]
         return [bytes(x) for x in np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1).astype("<u8")]
 
+    def _note(self, gid: int) -> None:
+        """Queue the slot's register *as it is now* for peers (it may change again before the
+        batch is published: a retired slot is often rewritten in the same turn)."""
+        if self.sync is not None:
+            self.to_publish.append((gid, self.slots[gid].copy()))
+
     def _on_retire(self, gid: int) -> None:
-        self.to_publish.append(gid)
+        self._note(gid)
         self._emit_removed(self._digests([gid]))
+
+    def _on_hint(self, gids: Any) -> None:
+        self.alloc.touch(gids)  # peers read these: give them CLOCK's second chance
 
     def _on_merge(self, removed: list[bytes], stored_gids: Any) -> None:
         self._emit_removed(removed)
@@ -614,6 +625,8 @@ class Supervisor:
             if status == ST_OK:
                 ch.results[op.index] = P.R_HIT
                 ch.lengths[op.index] = op.length
+                if not self.local[op.gid] and len(self.hints) < 4096:
+                    self.hints.append(op.gid)
                 self.stats.add("hits")
                 self.stats.add("pages_read")
                 self.stats.add("bytes_read", op.length)
@@ -641,7 +654,7 @@ class Supervisor:
             if status == ST_OK:
                 self.alloc.commit(op.gid, op.words, op.length)
                 self.index.insert(op.words, op.gid)
-                self.to_publish.append(op.gid)
+                self._note(op.gid)
                 self._emit_stored([op.gid])
                 ch.results[op.index] = P.R_STORED
                 self.stats.add("pages_written")
@@ -752,6 +765,10 @@ class Supervisor:
                 if now - last >= TICK_S:
                     last = now
                     self._poll_sockets()
+                    if self.hints:
+                        if self.sync is not None:
+                            self.sync.send_hints(self.hints)
+                        self.hints = []
                     if self.events is not None:
                         self.events.tick()
                     self._check_workers()

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ..crdt.log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_REMOTE, K_REQUEST,
+from ..crdt.log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_HINT, K_REMOTE, K_REQUEST,
                         SYNC_REC, DeltaLog, SyncRings, to_registers, to_sync)
 from ..crdt.merge import apply, gids_of, registers_of
 from ..crdt.register import REGISTER_DTYPE
 from ..shm.index import KeyIndex
-from ..shm.slots import VALID, SlotMap
+from ..shm.slots import RETIRED, VALID, SlotMap
 from ..shm.stats import StatsBlock
 
 log = structlog.get_logger(__name__)
@@ -48,8 +48,10 @@ class SyncLink:
 
     def __init__(self, buf: Any, slots: np.ndarray[Any, Any], smap: SlotMap, index: KeyIndex, area: int,
                  epoch: int, log_capacity: int, stats: StatsBlock,
-                 on_change: Callable[[list[bytes], np.ndarray[Any, Any]], None] | None = None) -> None:
-        """``on_change(removed digests, gids now valid)`` hears what each merge changed (KV events)."""
+                 on_change: Callable[[list[bytes], np.ndarray[Any, Any]], None] | None = None,
+                 on_hint: Callable[[np.ndarray[Any, Any]], None] | None = None) -> None:
+        """``on_change(removed digests, gids now valid)`` hears what each merge changed (KV events);
+        ``on_hint(gids)`` hears which of our slots peers read (still holding what they read)."""
         self.rings = SyncRings(buf)
         self.slots = slots
         self.smap = smap
@@ -60,13 +62,19 @@ class SyncLink:
         self.stats = stats
         self.answers: deque[_Answer] = deque()
         self.on_change = on_change
+        self.on_hint = on_hint
 
-    def publish(self, gids: list[int]) -> None:
-        """Record own slots' current registers as updates and offer them to the agent."""
-        if not gids:
+    def publish(self, updates: list[tuple[int, Any]]) -> None:
+        """Record own registers, as captured when they changed, as updates and offer them to the agent.
+
+        Only wire states (VALID, RETIRED) are published: a slot being written is not a
+        register peers may see (its commit will be).
+        """
+        updates = [(g, e) for g, e in updates if int(e["state"]) in (VALID, RETIRED)]
+        if not updates:
             return
-        g = np.asarray(gids, dtype=np.int64)
-        s = self.slots[g]
+        g = np.array([u[0] for u in updates], dtype=np.int64)
+        s = np.array([u[1] for u in updates], dtype=self.slots.dtype)
         regs = np.zeros(len(g), dtype=REGISTER_DTYPE)
         loc = np.array([self.smap.locate(int(x)) for x in g], dtype=np.int64).reshape(-1, 3)
         regs["device"], regs["area"], regs["slot"] = loc[:, 0], loc[:, 1], loc[:, 2]
@@ -78,6 +86,23 @@ class SyncLink:
         if out.free() >= len(recs):
             out.put_many(recs)
         # else: the agent is behind; peers see the seq gap and ask for these from the log
+
+    def send_hints(self, gids: list[int]) -> None:
+        """Tell the owners of these (remote) slots that we read them; dropped if the ring is full."""
+        if not gids:
+            return
+        g = np.asarray(gids, dtype=np.int64)
+        s = self.slots[g]
+        regs = np.zeros(len(g), dtype=REGISTER_DTYPE)
+        loc = np.array([self.smap.locate(int(x)) for x in g], dtype=np.int64).reshape(-1, 3)
+        regs["device"], regs["area"], regs["slot"] = loc[:, 0], loc[:, 1], loc[:, 2]
+        for f in ("gen", "d0", "d1", "d2", "d3", "length"):
+            regs[f] = s[f]
+        regs["state"] = VALID
+        recs = to_sync(regs, K_HINT)
+        recs["peer"] = regs["area"]
+        if self.rings.out.free() >= len(recs):
+            self.rings.out.put_many(recs)
 
     def drain(self) -> int:
         """Merge peers' registers and queue answers to their requests; returns records handled."""
@@ -102,6 +127,13 @@ class SyncLink:
                     s = self.slots[valid]
                     self.index.insert_many(np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1), valid)
                 self.stats.add("sync_records_merged", len(changed))
+        hints = recs[recs["kind"] == K_HINT]
+        if len(hints) and self.on_hint is not None:
+            regs = to_registers(hints)
+            g = gids_of(self.smap, regs)
+            same = (self.slots["gen"][g] == regs["gen"]) & (self.slots["state"][g] == VALID)
+            self.on_hint(g[same])
+            self.stats.add("hints_received", len(hints))
         for r in recs[recs["kind"] == K_REQUEST]:
             self._queue_answer(int(r["peer"]), int(r["seq"]), int(r["gen"]))
         return len(recs)

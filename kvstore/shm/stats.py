@@ -103,6 +103,8 @@ class ServiceCounters:
     """Answers that had to be a snapshot (supervisor)."""
     sync_restarts: int = 0
     """Sync agent restarts (supervisor)."""
+    hints_received: int = 0
+    """Hit hints from peers (slots of ours they read), which keep those pages from early eviction."""
     started_ns: int = 0
     """Service start time, ns since the epoch."""
     heartbeat_ns: int = 0

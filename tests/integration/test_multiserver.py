@@ -254,3 +254,24 @@ def test_malformed_truncated_and_forged_messages_are_dropped(home: Path, file_de
     finally:
         pub.close(0)
         ctx.term()
+
+
+def test_hit_hints_keep_pages_peers_read(home: Path, file_devices: Any, services: Any) -> None:
+    """a's CLOCK spares the pages b keeps reading: b's hit hints set their reference bits."""
+    (dev,) = file_devices.make(1, (1 << 20) + 2 * 20 * (4096 + PS))  # 20 slots per server
+    make_store(home, "m", [dev], PS, [f"a=127.0.0.1:{free_port_pair()}", f"b=127.0.0.1:{free_port_pair()}"])
+    sa = services(home, "m", "a")
+    services(home, "m", "b")
+    first = keys_of("p", 20)
+    assert put_pages(home, "a", first).stored == 20
+    assert put_pages(home, "a", keys_of("extra", 1)).stored == 1  # one sweep: every reference bit cleared, p/0 out
+    hot = first[5:10]
+    assert wait_for(lambda: visible(home, "b", hot) == 5)
+    for _ in range(3):
+        assert read_all(home, "b", hot) == (5, 0, 0)
+    assert wait_for(lambda: stats(sa).hints_received >= 5)
+    assert put_pages(home, "a", keys_of("new", 10)).stored == 10  # evicts 10 unreferenced pages
+    with KVCacheClient.connect("m", server="a", home=home) as c:
+        held = c.contains(first)
+    assert all(held[5:10]), held          # the pages b read survived
+    assert sum(held) == 9, held           # 19 - 10 evicted; the hot five among the survivors
