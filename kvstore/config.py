@@ -134,6 +134,9 @@ class ServiceConfig:
     0 is safe for a single server (local pins are always drained first)."""
     request_timeout_s: float = 60.0
     """Longest a client waits for one call before raising ``Timeout``."""
+    access_group: str = ""
+    """Unix group whose members' engines may connect (socket, shared memory and run directory
+    get group read/write). Empty: only the service's own user may connect."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.client_buffers <= 4096:

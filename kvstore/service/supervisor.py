@@ -172,10 +172,25 @@ class Supervisor:
         self.tenant_ids: dict[str, int] = {}
         self.hints: list[int] = []
         self.log = log.bind(store=cfg.name, server=server)
+        # who may use this service: its own user, plus a group when configured
+        self.group: int | None = None
+        if cfg.service.access_group:
+            import grp
+
+            try:
+                self.group = grp.getgrnam(cfg.service.access_group).gr_gid
+            except KeyError:
+                raise ValueError(f"service.access_group {cfg.service.access_group!r} is not a group here") from None
+        self.mode = 0o660 if self.group is not None else 0o600
 
     # ---- start-up -------------------------------------------------------------------------
     def _lock(self) -> None:
         self.rundir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.group is not None:
+            os.chown(self.rundir, -1, self.group)
+            os.chmod(self.rundir, 0o750)
+        else:
+            os.chmod(self.rundir, 0o700)
         fd = os.open(self.rundir / f"{self.server}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -189,13 +204,13 @@ class Supervisor:
         self._lock_fd = fd
 
     def _segment(self, what: str, size: int) -> Segment:
-        seg = Segment.create(self.prefix + what, size)
+        seg = Segment.create(self.prefix + what, size, self.mode, self.group)
         self._segments.append(seg)
         return seg
 
     def _sem(self, what: str) -> posix_ipc.Semaphore:
         self._sems.append(self.prefix + what)
-        return create_semaphore(self.prefix + what)
+        return create_semaphore(self.prefix + what, self.mode, self.group)
 
     def start(self) -> None:
         """Lock, clean a crashed predecessor's leftovers, verify devices, build shm, rebuild, spawn."""
@@ -339,11 +354,14 @@ class Supervisor:
         except FileNotFoundError:
             pass
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # owner-only socket: only this user's engines may connect
+        old = os.umask(0o177)  # owner-only socket: only this user's engines may connect ...
         try:
             s.bind(str(self.sock_path))
         finally:
             os.umask(old)
+        if self.group is not None:  # ... and the configured group's
+            os.chown(self.sock_path, -1, self.group)
+            os.chmod(self.sock_path, 0o660)
         s.listen(64)
         s.setblocking(False)
         self.lsock = s
@@ -400,9 +418,9 @@ class Supervisor:
         for i in range(start, start + nb):
             if self.arena.state(i) != A.QUARANTINE:  # a hung worker's buffers stay out until it is reaped
                 self.arena.set_state(i, A.FREE)
-        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb))
+        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb), self.mode, self.group)
         sem_name = self.prefix + f"c{cid}.s"
-        sem = create_semaphore(sem_name)
+        sem = create_semaphore(sem_name, self.mode, self.group)
         tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
         conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, int(msg.get("pid", 0)),
                     salt, tenant, tid)

@@ -33,11 +33,15 @@ def name_prefix(home: Path, store: str, server: str) -> str:
 class Segment:
     """A mapped POSIX shm segment. Invariant: ``buf`` stays mapped until ``close()``."""
 
-    def __init__(self, name: str, size: int, *, create: bool, mode: int = 0o600) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, mode: int = 0o600, group: int | None = None) -> None:
         self.name = name
         flags = posix_ipc.O_CREX if create else 0
         shm = posix_ipc.SharedMemory("/" + name, flags, mode=mode, size=size if create else 0)
         try:
+            if create:  # exact mode (shm_open applies the umask) and the configured group
+                os.fchmod(shm.fd, mode)
+                if group is not None:
+                    os.fchown(shm.fd, -1, group)
             self.size = shm.size
             self.buf: mmap.mmap = mmap.mmap(shm.fd, shm.size)
         finally:
@@ -45,11 +49,11 @@ class Segment:
         self.owner = create
 
     @classmethod
-    def create(cls, name: str, size: int, mode: int = 0o600) -> Segment:
+    def create(cls, name: str, size: int, mode: int = 0o600, group: int | None = None) -> Segment:
         """Create (fails if it exists) and map a zero-filled segment of ``size`` bytes."""
         if size <= 0:
             raise ValueError(f"segment size must be > 0, got {size}")
-        return cls(name, size, create=True, mode=mode)
+        return cls(name, size, create=True, mode=mode, group=group)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -76,13 +80,19 @@ def unlink_segment(name: str) -> None:
         pass
 
 
-def create_semaphore(name: str) -> posix_ipc.Semaphore:
-    """Create an owner-only semaphore with value 0 (removing a stale one of that name)."""
+def create_semaphore(name: str, mode: int = 0o600, group: int | None = None) -> posix_ipc.Semaphore:
+    """Create a semaphore (owner-only unless told otherwise) with value 0, removing a stale one."""
     try:
         posix_ipc.unlink_semaphore("/" + name)
     except posix_ipc.ExistentialError:
         pass
-    return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    sem = posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=mode, initial_value=0)
+    path = SHM_DIR / ("sem." + name)
+    if path.exists():  # Linux keeps named semaphores there: set the exact mode and group
+        os.chmod(path, mode)
+        if group is not None:
+            os.chown(path, -1, group)
+    return sem
 
 
 def attach_semaphore(name: str) -> posix_ipc.Semaphore:

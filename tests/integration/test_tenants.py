@@ -91,3 +91,37 @@ def test_other_local_users_cannot_connect(home: Path, file_devices: Any, service
     # the interpreter ran and made its socket; the connect itself was refused
     assert "socket made" in r.stdout and "connected" not in r.stdout, r.stdout + r.stderr
     assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
+
+
+def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, services: Any) -> None:
+    import grp
+
+    if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root and a system python3 to run a client as another user")
+    try:
+        gid = grp.getgrnam("nogroup").gr_gid
+    except KeyError:
+        pytest.skip("no 'nogroup' group here")
+    (dev,) = file_devices.make(1, (1 << 20) + 20 * (4096 + PS))
+    cfg = make_store(home, "t", [dev], PS)
+    save_store(dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, access_group="nogroup")), home)
+    svc = services(home, "t")
+    sock = run_dir("t", home) / "local.sock"
+    st = os.stat(sock)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid
+    for seg in svc.leftovers():
+        s2 = os.stat(Path("/dev/shm") / seg)
+        assert stat.S_IMODE(s2.st_mode) == 0o660 and s2.st_gid == gid, seg
+    opened = [d for d in [home, *home.parents] if d != Path("/")]
+    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
+    try:
+        for d in opened:
+            os.chmod(d, modes[d] | 0o005)
+        code = ("import socket; s = socket.socket(socket.AF_UNIX); "
+                f"s.connect({str(sock)!r}); print('connected')")
+        r = subprocess.run(["setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups", "/usr/bin/python3",
+                            "-c", code], capture_output=True, text=True, cwd="/")
+    finally:
+        for d in opened:
+            os.chmod(d, modes[d])
+    assert r.returncode == 0 and "connected" in r.stdout, r.stderr
