@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 from .config import check_name, mass_home, run_dir, store_path
 from .errors import ClosedError, KVStoreError, QuotaExceeded, ServiceLost, StoreNotFound, Timeout
@@ -282,14 +284,14 @@ class KVCacheClient:
             wait_semaphore(self._sem, min(left, 0.05))
 
     def _keys(self, keys: Sequence[bytes], start: int, n: int) -> None:
-        ch = self._chan.keys
-        for j in range(n):
-            k = keys[start + j]
+        part = keys[start:start + n]
+        for j, k in enumerate(part):
             if not isinstance(k, bytes):
                 raise TypeError(f"keys[{start + j}] must be bytes, got {type(k).__name__}")
             if not k:
                 raise ValueError(f"keys[{start + j}] is empty")
-            ch[j] = memoryview(key_id(k))
+        blob = b"".join(hashlib.blake2b(k, digest_size=32).digest() for k in part)
+        self._chan.keys[:n] = np.frombuffer(blob, dtype=np.uint8).reshape(n, 32)
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)

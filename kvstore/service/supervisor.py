@@ -66,10 +66,10 @@ TICK_S = 0.02
 
 def salted_words(keys: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any]:
     """Service-side digests: BLAKE2b-256 keyed with the salt over each client key id, as n x 4 u64."""
-    out = np.empty((len(keys), 32), dtype=np.uint8)
-    for i in range(len(keys)):
-        out[i] = np.frombuffer(hashlib.blake2b(keys[i].tobytes(), digest_size=32, key=salt).digest(), np.uint8)
-    return out.view("<u8")
+    raw = keys.tobytes()
+    blob = b"".join(hashlib.blake2b(raw[i:i + 32], digest_size=32, key=salt).digest()
+                    for i in range(0, len(raw), 32))
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, 4)
 
 
 @dataclass
