@@ -27,6 +27,34 @@ import numpy as np
 from ..shm.slots import EMPTY, RETIRED, VALID, WRITING
 
 
+class FreeSlots:
+    """A FIFO of free slot ids in a numpy ring (a deque of Python ints costs ~36 bytes a slot,
+    which at 10^7 slots is most of the supervisor's memory)."""
+
+    def __init__(self, capacity: int, initial: np.ndarray[Any, Any]) -> None:
+        self.buf = np.empty(max(1, capacity), dtype=np.int64)
+        self.head = 0
+        self.n = len(initial)
+        self.buf[:self.n] = initial
+
+    def __len__(self) -> int:
+        return self.n
+
+    def popleft(self) -> int:
+        """Oldest free slot (raises IndexError when empty)."""
+        if not self.n:
+            raise IndexError("no free slot")
+        g = int(self.buf[self.head])
+        self.head = (self.head + 1) % len(self.buf)
+        self.n -= 1
+        return g
+
+    def append(self, gid: int) -> None:
+        """Return a slot (never more than the capacity: each slot is in at most one place)."""
+        self.buf[(self.head + self.n) % len(self.buf)] = gid
+        self.n += 1
+
+
 class Generations:
     """Per-area generation source: strictly increasing, also across restarts.
 
@@ -85,28 +113,33 @@ class Allocator:
         self.clock = clock
         n = len(slots)
         self.pins = np.zeros(n, dtype=np.int32)
+        self.pinned_slots = 0  # slots with a read in flight (kept here: counting 10^7 pins per tick is slow)
         self.sticky = np.zeros(n, dtype=np.int32)  # client pins: CLOCK never evicts these
         self.owner = np.full(n, -1, dtype=np.int32)  # tenant id that wrote the slot (-1: unknown)
         self.used_by: dict[int, int] = {}            # tenant id -> own slots it holds (valid or being written)
         self.pinned_by: dict[int, set[int]] = {}     # tenant id -> slots it pinned
         self.ref = np.zeros(n, dtype=np.uint8)
-        self.free: list[deque[int]] = []
+        self.free: list[FreeSlots] = []
         self.quarantine: list[deque[tuple[int, float]]] = [deque() for _ in own]
         self.hand = [r.start for r in own]
         self.evictions = 0
         for r in own:
             st = slots["state"][r.start:r.stop]
-            self.free.append(deque(int(r.start + i) for i in np.nonzero(st != VALID)[0]))
+            self.free.append(FreeSlots(len(r), r.start + np.nonzero(st != VALID)[0]))
             slots["state"][r.start:r.stop][st != VALID] = EMPTY
 
     def pin(self, gid: int) -> None:
         """A read of ``gid`` is in flight; also marks it recently used."""
+        if not self.pins[gid]:
+            self.pinned_slots += 1
         self.pins[gid] += 1
         self.ref[gid] = 1
 
     def unpin(self, gid: int) -> None:
         """The read of ``gid`` is done."""
         self.pins[gid] -= 1
+        if not self.pins[gid]:
+            self.pinned_slots -= 1
 
     def touch(self, gids: np.ndarray[Any, Any]) -> None:
         """Mark slots recently used (lookup hits)."""
@@ -235,4 +268,4 @@ class Allocator:
     def statistics(self) -> AllocatorStatistics:
         """Own slots, free, quarantined, pinned."""
         return AllocatorStatistics(sum(len(r) for r in self.own), sum(len(f) for f in self.free),
-                                   sum(len(q) for q in self.quarantine), int(np.count_nonzero(self.pins)))
+                                   sum(len(q) for q in self.quarantine), self.pinned_slots)

@@ -229,8 +229,10 @@ def main() -> int:
                 batch = max(1, (16 << 20) // ps)  # pipelines of ~16 MiB
                 for c in a.clients:
                     run_clients(peer_py, "redis", "clear", 0, 1, ps, 1, 1, args)
-                    s = run_clients(peer_py, "redis", "save", 0, n, ps, c, batch, args)
-                    ld = run_clients(peer_py, "redis", "load", 0, n, ps, c, batch, {**args, "latency": 200 if c == 1 else 0})
+                    base = c * 10 * n  # fresh keys every round, as for kvstore
+                    s = run_clients(peer_py, "redis", "save", base, n, ps, c, batch, args)
+                    ld = run_clients(peer_py, "redis", "load", base, n, ps, c, batch,
+                                     {**args, "latency": 200 if c == 1 else 0})
                     rows.append({"system": "redis", "page_size": ps, "clients": c, "save_gbps": s["gbps"],
                                  "load_gbps": ld["gbps"], "p50_us": ld["p50_us"], "p99_us": ld["p99_us"],
                                  "wrong": s["wrong"] + ld["wrong"], "missing": ld["missing"],
@@ -301,8 +303,10 @@ def run_mooncake(py: str, work: Path, ps: int, n: int, clients: list[int]) -> li
         batch = max(1, (16 << 20) // ps)
         for c in clients:
             run_clients(py, "mooncake", "clear", 0, 1, ps, 1, 1, args, env)
-            s = run_clients(py, "mooncake", "save", 0, n, ps, c, batch, args, env)
-            ld = run_clients(py, "mooncake", "load", 0, n, ps, c, batch, {**args, "latency": 200 if c == 1 else 0}, env)
+            base = c * 10 * n  # fresh keys every round: a put of an existing key is not a save
+            s = run_clients(py, "mooncake", "save", base, n, ps, c, batch, args, env)
+            ld = run_clients(py, "mooncake", "load", base, n, ps, c, batch, {**args, "latency": 200 if c == 1 else 0},
+                             env)
             rows.append({"system": "mooncake", "page_size": ps, "clients": c, "save_gbps": s["gbps"],
                          "load_gbps": ld["gbps"], "p50_us": ld["p50_us"], "p99_us": ld["p99_us"],
                          "wrong": s["wrong"] + ld["wrong"], "missing": ld["missing"] + s["missing"],
