@@ -66,10 +66,14 @@ TICK_S = 0.02
 
 def salted_words(keys: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any]:
     """Service-side digests: BLAKE2b-256 keyed with the salt over each client key id, as n x 4 u64."""
+    base = hashlib.blake2b(digest_size=32, key=salt)  # the key block is hashed once, then copied
     raw = keys.tobytes()
-    blob = b"".join(hashlib.blake2b(raw[i:i + 32], digest_size=32, key=salt).digest()
-                    for i in range(0, len(raw), 32))
-    return np.frombuffer(blob, dtype="<u8").reshape(-1, 4)
+    out = []
+    for i in range(0, len(raw), 32):
+        h = base.copy()
+        h.update(raw[i:i + 32])
+        out.append(h.digest())
+    return np.frombuffer(b"".join(out), dtype="<u8").reshape(-1, 4)
 
 
 @dataclass
