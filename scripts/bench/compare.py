@@ -25,8 +25,9 @@ comes from Debian's ``redis-server`` (installed with apt-get when missing and
 root). A system that cannot run is reported with the reason.
 
 For each page size and each client count, clients are processes saving and
-then loading disjoint parts of ``--size`` bytes of pages in batches; GB/s is
-total bytes over the slowest client's time. Single-page load p50/p99 come from
+then loading disjoint parts of ``--size`` bytes of pages in batches; they all
+set up first and start their timed part together (a barrier); GB/s is total
+bytes over the slowest client's time. Single-page load p50/p99 come from
 200 loads with one client. Peak memory: the largest resident set of the
 system's server processes plus its largest client.
 """
@@ -104,8 +105,20 @@ def run_clients(py: str, system: str, op: str, base: int, n: int, ps: int, clien
                 args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     per = n // clients
     procs = [subprocess.Popen([py, WORKER, system, op, str(base + c * per), str(per), str(ps), str(batch),
-                               json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                               json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
              for c in range(clients)]
+    if op != "clear":  # a barrier: every client is connected and set up before any starts its timed part
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline().strip()
+            if line != "ready":
+                p.kill()
+                raise RuntimeError(f"{system} {op} client did not start: {line} {p.stderr.read()[-800:] if p.stderr else ''}")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
     outs = []
     for p in procs:
         o, e = p.communicate(timeout=1800)

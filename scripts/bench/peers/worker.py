@@ -25,6 +25,12 @@ def pool(ps: int) -> list[np.ndarray]:
     return [np.random.default_rng(j).integers(0, 256, ps, dtype=np.uint8) for j in range(8)]
 
 
+def barrier() -> None:
+    """Tell the parent we are set up, and wait for its go: all clients' timed parts overlap."""
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
 def main() -> None:
     system, op, first, count, ps, batch, args = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]), json.loads(sys.argv[7])
     pages = pool(ps)
@@ -51,6 +57,7 @@ def main() -> None:
 
         with KVCacheClient.connect(args["store"], home=args["home"], timeout=120) as c:
             keys = [b"p/%d" % i for i in idx]
+            barrier()
             t0 = time.perf_counter()
             if op == "save":
                 for s in range(0, count, batch):
@@ -79,6 +86,7 @@ def main() -> None:
         import mmap
 
         buf = mmap.mmap(-1, ps)
+        barrier()
         t0 = time.perf_counter()
         for i in idx:
             path = f"{d}/{i}"
@@ -116,6 +124,8 @@ def main() -> None:
         import redis
 
         r = redis.Redis(host="127.0.0.1", port=args["port"])
+        r.ping()
+        barrier()
         t0 = time.perf_counter()
         for s in range(0, count, batch):
             p = r.pipeline(transaction=False)
@@ -149,6 +159,7 @@ def main() -> None:
         area = np.zeros(nb * ps, dtype=np.uint8)
         if st.register_buffer(area.ctypes.data, area.nbytes) != 0:
             raise SystemExit("mooncake register_buffer failed")
+        barrier()
         t0 = time.perf_counter()
         for s in range(0, count, nb):
             chunk = idx[s:s + nb]
