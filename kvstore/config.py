@@ -77,6 +77,8 @@ class ServerConfig:
     events: str = ""
     """``HOST:PORT`` where its service publishes vLLM-format KV events (PUB on PORT, replay
     ROUTER on PORT+1) for cache-aware routers; empty: no events."""
+    metrics: str = ""
+    """``HOST:PORT`` of its Prometheus text endpoint (``/metrics``); empty: none."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "server")
@@ -89,6 +91,8 @@ class ServerConfig:
             m = re.match(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$", self.events)
             if not m or not 1 <= int(m.group(2)) <= 65534:
                 raise ValueError(f"server {self.name}: events address {self.events!r} is not HOST:PORT")
+        if self.metrics and not re.match(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$", self.metrics):
+            raise ValueError(f"server {self.name}: metrics address {self.metrics!r} is not HOST:PORT")
         if self.public_key and len(self.public_key) != 40:
             raise ValueError(f"server {self.name}: public_key must be 40 Z85 characters")
 

@@ -23,7 +23,7 @@ from .storage.device import format_device
 def make_store(home: Path, name: str, devices: list[str], page_size: int, servers: list[str] | None = None,
                *, service: ServiceConfig | None = None, worker: WorkerConfig | None = None,
                sync: SyncConfig | None = None, events: dict[str, str] | None = None,
-               force: bool = False) -> StoreConfig:
+               metrics: dict[str, str] | None = None, force: bool = False) -> StoreConfig:
     """Create a store config under ``home``, a keypair per server, and format its devices.
 
     ``servers`` are ``NAME`` or ``NAME=HOST:PORT`` (several servers need sync addresses);
@@ -33,7 +33,8 @@ def make_store(home: Path, name: str, devices: list[str], page_size: int, server
 
     specs = [s.partition("=") for s in (servers or ["local"])]
     cfg = StoreConfig(name=name, uuid=str(uuid.uuid4()), page_size=page_size, devices=tuple(devices),
-                      servers=tuple(ServerConfig(n, sync, create_keypair(name, n, home), (events or {}).get(n, ""))
+                      servers=tuple(ServerConfig(n, sync, create_keypair(name, n, home), (events or {}).get(n, ""),
+                                                 (metrics or {}).get(n, ""))
                                     for n, _, sync in specs),
                       service=service or ServiceConfig(), worker=worker or WorkerConfig(),
                       sync=sync or SyncConfig())

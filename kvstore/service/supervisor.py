@@ -174,6 +174,7 @@ class Supervisor:
         self.epoch = new_epoch()
         self.events: Any = None
         self.tenant_ids: dict[str, int] = {}
+        self.metrics: Any = None
         self.hints: list[int] = []
         self.log = log.bind(store=cfg.name, server=server)
         # who may use this service: its own user, plus a group when configured
@@ -276,6 +277,10 @@ class Supervisor:
                                      on_hint=self._on_hint)
                 self._spawn_agent()
             me = cfg.servers[self.area]
+            if me.metrics:
+                from .metrics import serve_metrics
+
+                self.metrics = serve_metrics(me.metrics, self.stats, cfg.name, self.server)
             if me.events:
                 from ..engines.events import EventPublisher
 
@@ -819,6 +824,10 @@ class Supervisor:
         if self.events is not None:
             self.events.close()
             self.events = None
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
+            self.metrics = None
         if self.lsock is not None:
             self.lsock.close()
             self.lsock = None

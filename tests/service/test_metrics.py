@@ -1,0 +1,61 @@
+"""The Prometheus endpoint, scraped over HTTP on 127.0.0.1 and parsed with the Prometheus text parser."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore import KVCacheClient
+from kvstore.quickstart import page_bytes
+from kvstore.testing import make_store
+from tests.integration.test_multiserver import free_port_pair
+
+pytestmark = pytest.mark.integration
+PS = 16 << 10
+
+
+def scrape(port: int) -> dict[str, Any]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(fams: dict[str, Any], family: str, sample: str, **labels: str) -> float:
+    for s in fams[family].samples:
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    raise KeyError(sample)
+
+
+def test_metrics_endpoint_reflects_the_service(home: Path, file_devices: Any, services: Any) -> None:
+    port = free_port_pair()
+    (dev,) = file_devices.make(1, (1 << 20) + 64 * (4096 + PS))
+    make_store(home, "m", [dev], PS, metrics={"local": f"127.0.0.1:{port}"})
+    services(home, "m")
+    keys = [b"k/%d" % i for i in range(10)]
+    with KVCacheClient.connect("m", home=home) as c:
+        c.put(keys, [page_bytes(k, PS) for k in keys], wait=True)
+        with c.get(keys + [b"absent"]) as v:
+            assert v.hits == 10
+    f = scrape(port)
+    lab = {"store": "m", "server": "local"}
+    assert value(f, "kvstore_hits", "kvstore_hits_total", **lab) == 10
+    assert value(f, "kvstore_misses", "kvstore_misses_total", **lab) == 1
+    assert value(f, "kvstore_written_bytes", "kvstore_written_bytes_total", **lab) == 10 * PS
+    assert value(f, "kvstore_device_reads", "kvstore_device_reads_total", device="0", **lab) >= 10
+    assert f["kvstore_get_latency_seconds"].type == "histogram"
+    assert value(f, "kvstore_get_latency_seconds", "kvstore_get_latency_seconds_count", **lab) == 1
+    assert value(f, "kvstore_get_latency_seconds", "kvstore_get_latency_seconds_bucket", le="+Inf", **lab) == 1
+    assert f["kvstore_own_slots"].type == "gauge" and value(f, "kvstore_own_slots", "kvstore_own_slots", **lab) == 64
+
+
+def test_every_metric_is_documented() -> None:
+    from kvstore.service.metrics import COUNTERS, DEVICE_COUNTERS, DEVICE_GAUGES, GAUGES
+
+    doc = (Path(__file__).parents[2] / "docs" / "METRICS.md").read_text()
+    for table, suffix in ((COUNTERS, "_total"), (DEVICE_COUNTERS, "_total"), (GAUGES, ""), (DEVICE_GAUGES, "")):
+        for name, _ in table.values():
+            assert f"`kvstore_{name}{suffix}`" in doc, name
