@@ -2,7 +2,9 @@
 
     mass-ctl kvcache create STORE --device PATH... --page-size SIZE --server NAME[=HOST:PORT]...
     mass-ctl kvcache connect STORE [--server NAME]
-    mass-ctl kvcache status STORE [--server NAME] [--json]
+    mass-ctl kvcache connect STORE [--server NAME] --daemon / disconnect STORE [--server NAME]
+    mass-ctl kvcache status STORE [--server NAME] [--json] [--watch]
+    mass-ctl kvcache list / show STORE [--json]
     mass-ctl kvcache quickstart
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 3 store not
@@ -15,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -97,14 +100,59 @@ def cmd_connect(a: argparse.Namespace) -> int:
     from .logging import configure_logging
     from .service.supervisor import serve
 
-    configure_logging()
     cfg = load_store(a.store)
     server = _pick_server(cfg, a.server)
+    home = mass_home()
+    if _running(cfg.name, server, home):
+        raise AlreadyRunning(f"a service of store {cfg.name!r} as server {server!r} already runs here "
+                             f"(pid {_running(cfg.name, server, home)})")
+    if a.daemon:
+        import subprocess
+
+        rd = run_dir(cfg.name, home)
+        rd.mkdir(parents=True, exist_ok=True, mode=0o700)
+        logp = rd / f"{server}.log"
+        with open(logp, "ab") as logf:
+            p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "kvcache", "connect", cfg.name, "--server",
+                                  server], stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env=dict(os.environ, MASS_HOME=str(home)))
+        deadline = time.monotonic() + 120
+        while _running(cfg.name, server, home) != p.pid:
+            if p.poll() is not None:
+                _err(f"the service exited with code {p.returncode}; see {logp}")
+                return EXIT_REFUSED if p.returncode == EXIT_REFUSED else EXIT_FAIL
+            if time.monotonic() > deadline:
+                _err(f"the service did not come up within 120 s; see {logp}")
+                return EXIT_FAIL
+            time.sleep(0.05)
+        print(f"service of store {cfg.name} as server {server} runs as pid {p.pid}; log {logp}; "
+              f"stop it with 'mass-ctl kvcache disconnect {cfg.name} --server {server}'")
+        return EXIT_OK
+    configure_logging()
     serve(cfg, server)
     return EXIT_OK
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    if not a.watch:
+        return _status_once(a)
+    n = 0
+    try:
+        while a.count is None or n < a.count:
+            if n:
+                time.sleep(a.interval)
+            if not a.json and sys.stdout.isatty():
+                print("\033[2J\033[H", end="")
+            rc = _status_once(a)
+            if rc != EXIT_OK:
+                return rc
+            n += 1
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def _status_once(a: argparse.Namespace) -> int:
     from .shm.segment import Segment, name_prefix, pid_alive
     from .shm.board import Board
     from .shm.stats import StatsBlock
@@ -160,6 +208,106 @@ def cmd_status(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _running(store: str, server: str, home: Path) -> int:
+    """Pid of the live service of ``store`` as ``server``, or 0."""
+    from .shm.segment import pid_alive
+
+    pidf = run_dir(store, home) / f"{server}.pid"
+    try:
+        pid = int(pidf.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+    return pid if pid_alive(pid) else 0
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    home = mass_home()
+    out: list[dict[str, Any]] = []
+    for p in sorted((home / "stores").glob("*.toml")) if (home / "stores").is_dir() else []:
+        try:
+            cfg = load_store(p.stem, home)
+        except ValueError as e:
+            out.append({"store": p.stem, "error": str(e)})
+            continue
+        out.append({"store": cfg.name, "page_size": cfg.page_size, "devices": len(cfg.devices),
+                    "servers": [s.name for s in cfg.servers],
+                    "running": [s.name for s in cfg.servers if _running(cfg.name, s.name, home)]})
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    if not out:
+        print(f"no stores under {home} (create one with 'mass-ctl kvcache create')")
+        return EXIT_OK
+    print(f"{'STORE':<20}{'PAGE':>10}{'DEVICES':>9}  SERVERS (running*)")
+    for r in out:
+        if "error" in r:
+            print(f"{r['store']:<20}  error: {r['error']}")
+            continue
+        names = ", ".join(n + ("*" if n in r["running"] else "") for n in r["servers"])
+        print(f"{r['store']:<20}{format_size(r['page_size']):>10}{r['devices']:>9}  {names}")
+    return EXIT_OK
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    from .storage.device import device_size, read_superblock
+
+    home = mass_home()
+    cfg = load_store(a.store, home)
+    devices = []
+    for i, d in enumerate(cfg.devices):
+        e: dict[str, Any] = {"index": i, "path": d}
+        try:
+            sb = read_superblock(d)
+            e.update({"size": device_size(d), "belongs": sb.store_uuid == cfg.uuid_bytes,
+                      "areas": [{"server": x.server, "slots": x.slot_count} for x in sb.areas]})
+        except KVStoreError as err:
+            e["error"] = str(err)
+        devices.append(e)
+    servers = [{"name": s.name, "sync": s.sync or None, "events": s.events or None, "metrics": s.metrics or None,
+                "key_here": (home / "keys" / cfg.name / f"{s.name}.key").exists(),
+                "running_pid": _running(cfg.name, s.name, home) or None} for s in cfg.servers]
+    out = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size, "devices": devices, "servers": servers,
+           "namespaces": cfg.namespaces, "quotas": cfg.quotas, "pin_quotas": cfg.pin_quotas,
+           "service": dataclasses.asdict(cfg.service), "worker": dataclasses.asdict(cfg.worker)}
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    print(f"store {cfg.name}  uuid {cfg.uuid}  page size {format_size(cfg.page_size)}")
+    for e in devices:
+        if "error" in e:
+            print(f"  device {e['index']}: {e['path']}  ERROR: {e['error']}")
+        else:
+            areas = ", ".join(f"{x['server']}={x['slots']}" for x in e["areas"])
+            mark = "" if e["belongs"] else "  (belongs to ANOTHER store)"
+            print(f"  device {e['index']}: {e['path']}  {format_size(e['size'])}, slots per area: {areas}{mark}")
+    for s in servers:
+        extra = "".join(f", {k} {s[k]}" for k in ("sync", "events", "metrics") if s[k])
+        state = f"running (pid {s['running_pid']})" if s["running_pid"] else "not running"
+        print(f"  server {s['name']}: {state}{extra}{'' if s['key_here'] else ', no key file on this machine'}")
+    for t, ns in cfg.namespaces.items():
+        print(f"  tenant {t} shares namespace {ns}")
+    return EXIT_OK
+
+
+def cmd_disconnect(a: argparse.Namespace) -> int:
+    home = mass_home()
+    cfg = load_store(a.store, home)
+    server = _pick_server(cfg, a.server)
+    pid = _running(cfg.name, server, home)
+    if not pid:
+        _err(f"no service of store {cfg.name!r} as server {server!r} runs here")
+        return EXIT_NOT_FOUND
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + a.timeout
+    while _running(cfg.name, server, home) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(cfg.name, server, home):
+        _err(f"service pid {pid} did not stop within {a.timeout} s")
+        return EXIT_FAIL
+    print(f"stopped the service of store {cfg.name} as server {server} (pid {pid})")
+    return EXIT_OK
+
+
 def cmd_quickstart(a: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
 
@@ -192,13 +340,33 @@ def build_parser() -> argparse.ArgumentParser:
                       description="Start the cache service of STORE as this server; Ctrl-C or SIGTERM stops it cleanly.")
     c.add_argument("store")
     c.add_argument("--server", metavar="NAME", help="server name (default: the only server, or the host name)")
+    c.add_argument("--daemon", action="store_true",
+                   help="run in the background (log and pid file in MASS_HOME/run/STORE/); stop with disconnect")
     c.set_defaults(fn=cmd_connect)
 
     c = ks.add_parser("status", help="show a store and its services' statistics")
     c.add_argument("store")
     c.add_argument("--server", metavar="NAME")
     c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.add_argument("--watch", action="store_true", help="repeat until Ctrl-C")
+    c.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
+    c.add_argument("--count", type=int, help="stop --watch after this many updates")
     c.set_defaults(fn=cmd_status)
+
+    c = ks.add_parser("list", help="list the stores under MASS_HOME and which of their services run here")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_list)
+
+    c = ks.add_parser("show", help="a store's configuration, devices (checked against their superblocks) and servers")
+    c.add_argument("store")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_show)
+
+    c = ks.add_parser("disconnect", help="stop this machine's service of a store (SIGTERM, then wait)")
+    c.add_argument("store")
+    c.add_argument("--server", metavar="NAME")
+    c.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to stop")
+    c.set_defaults(fn=cmd_disconnect)
 
     c = ks.add_parser("quickstart", help="demo: a temporary store, a service and a synthetic workload",
                       description="Create a store on file-backed devices in a temporary MASS_HOME, start the "

@@ -102,3 +102,37 @@ def test_quickstart_runs_and_leaves_nothing(home: Path) -> None:
     assert "wrong pages: 0" in r.stdout
     assert "hit rate" in r.stdout and "GB/s" in r.stdout
     assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_list_show_daemon_watch_disconnect(env_home: Path) -> None:
+    assert create(env_home, "s1") == 0
+    assert create(env_home, "s2") == 0
+    r = run(env_home, "kvcache", "connect", "s1", "--daemon")
+    assert r.returncode == 0 and "runs as pid" in r.stdout, r.stderr
+    try:
+        lst = json.loads(run(env_home, "kvcache", "list", "--json").stdout)
+        assert {x["store"]: x["running"] for x in lst} == {"s1": ["local"], "s2": []}
+        assert "s1" in run(env_home, "kvcache", "list").stdout
+        r = run(env_home, "kvcache", "connect", "s1", "--daemon")
+        assert r.returncode == 4 and "already runs" in r.stderr
+        show = json.loads(run(env_home, "kvcache", "show", "s1", "--json").stdout)
+        assert show["devices"][0]["belongs"] is True and show["servers"][0]["running_pid"]
+        assert show["devices"][0]["areas"] == [{"server": "local", "slots": show["devices"][0]["areas"][0]["slots"]}]
+        out = run(env_home, "kvcache", "show", "s1").stdout
+        assert "server local: running" in out
+        w = run(env_home, "kvcache", "status", "s1", "--watch", "--interval", "0.1", "--count", "3")
+        assert w.returncode == 0 and w.stdout.count("server local: running") == 3
+        assert (env_home / "run" / "s1" / "local.log").exists()
+        with KVCacheClient.connect("s1") as c:
+            assert c.put([b"x"], [bytes(c.page_size)], wait=True).stored == 1
+    finally:
+        d = run(env_home, "kvcache", "disconnect", "s1")
+    assert d.returncode == 0 and "stopped" in d.stdout
+    r = run(env_home, "kvcache", "disconnect", "s1")
+    assert r.returncode == 3 and "no service" in r.stderr
+    assert run(env_home, "kvcache", "show", "nope").returncode == 3
+    # a device that now belongs to another store shows up as such
+    assert main(["kvcache", "create", "s3", "--device", str(env_home / "s2.img"), "--page-size", "64KiB",
+                 "--server", "local", "--force"]) == 0
+    out = run(env_home, "kvcache", "show", "s2").stdout
+    assert "ANOTHER store" in out
