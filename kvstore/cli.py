@@ -308,6 +308,14 @@ def cmd_disconnect(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_dashboard(a: argparse.Namespace) -> int:
+    from .tui.app import DashboardApp
+    from .tui.source import LiveSource
+
+    DashboardApp(LiveSource(a.store), interval=a.interval).run()
+    return EXIT_OK
+
+
 def cmd_quickstart(a: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
 
@@ -352,6 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
     c.add_argument("--count", type=int, help="stop --watch after this many updates")
     c.set_defaults(fn=cmd_status)
+
+    c = ks.add_parser("dashboard", help="a live terminal dashboard of the store (q quits, ? help)")
+    c.add_argument("store")
+    c.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    c.set_defaults(fn=cmd_dashboard)
 
     c = ks.add_parser("list", help="list the stores under MASS_HOME and which of their services run here")
     c.add_argument("--json", action="store_true")

@@ -1,0 +1,100 @@
+"""``mass-ctl kvcache dashboard STORE``: the whole store at a glance, refreshed every second.
+
+Reads only shared-memory statistics (through a ``StatsSource``), so watching
+never slows the data path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Header, Static
+
+from .source import StatsSource
+from .widgets.devices import DevicesTable
+from .widgets.servers import ServersTable
+from .widgets.sync import SyncTable
+from .widgets.trend import Trend
+
+HELP = """kvstore dashboard
+
+  servers   capacity (own slots used / total), hit rate, bytes, faults
+  devices   queue depths (in flight + queued) and latency percentiles
+  trend     hit rate and bytes per refresh
+  sync      updates exchanged with peers, hit hints, tenants
+
+  r  refresh now        p  pause / resume
+  tab  next table       ?  this help        q  quit
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    """Keys and what the panels show."""
+
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
+
+    def compose(self) -> ComposeResult:
+        yield Static(HELP, id="help")
+
+
+class DashboardApp(App[None]):
+    """Invariant: every panel shows the same snapshot (taken once per refresh)."""
+
+    CSS_PATH = "dashboard.tcss"
+    TITLE = "kvstore"
+    BINDINGS = [Binding("q", "quit", "quit"), Binding("r", "refresh", "refresh"),
+                Binding("p", "pause", "pause"), Binding("question_mark", "help", "help")]
+
+    def __init__(self, source: StatsSource, interval: float = 1.0) -> None:
+        super().__init__()
+        self.source = source
+        self.interval = interval
+        self.paused = False
+        self.refreshes = 0
+        self.sub_title = f"store {source.store}"
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Vertical(id="top"):
+            yield ServersTable(id="servers")
+        with Horizontal(id="middle"):
+            yield DevicesTable(id="devices")
+            yield Trend(id="trend")
+        yield SyncTable(id="sync")
+        yield Static("", id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.action_refresh()
+        self.set_interval(self.interval, self._tick)
+
+    def _tick(self) -> None:
+        if not self.paused:
+            self.action_refresh()
+
+    def action_refresh(self) -> None:
+        """Take one snapshot and show it everywhere."""
+        snap: dict[str, dict[str, Any]] = self.source.snapshot()
+        self.query_one(ServersTable).show(snap)
+        self.query_one(DevicesTable).show(snap)
+        self.query_one(Trend).show(snap)
+        self.query_one(SyncTable).show(snap)
+        self.refreshes += 1
+        up = sum(1 for e in snap.values() if e["running"])
+        state = "paused" if self.paused else "live"
+        self.query_one("#status", Static).update(
+            f"{up}/{len(snap)} servers up  ·  {state}  ·  updated {time.strftime('%H:%M:%S')}  ·  ? help")
+
+    def action_pause(self) -> None:
+        """Stop or resume the periodic refresh."""
+        self.paused = not self.paused
+        self.action_refresh()
+
+    def action_help(self) -> None:
+        """Show the help screen."""
+        self.push_screen(HelpScreen())

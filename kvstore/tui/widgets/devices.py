@@ -1,0 +1,38 @@
+"""The devices table: queues and latency percentiles per server and device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.widgets import DataTable
+
+from ...shm.stats import Histogram
+
+
+def pct(h: dict[str, Any], q: float) -> str:
+    """A percentile of a histogram record, as text."""
+    v = Histogram(tuple(h["buckets"])).percentile(q)
+    return "-" if v == 0 else (f"{v * 1e3:.1f}ms" if v >= 1e-3 else f"{v * 1e6:.0f}us")
+
+
+class DevicesTable(DataTable[str]):
+    """Reads, writes, queue depths and latency per device of each running server."""
+
+    COLUMNS = ("server", "dev", "reads", "writes", "r queue", "w queue", "read p50", "read p99", "write p99")
+
+    def on_mount(self) -> None:
+        self.add_columns(*self.COLUMNS)
+
+    def show(self, snap: dict[str, dict[str, Any]]) -> None:
+        """Replace the rows with this snapshot."""
+        self.clear()
+        for name, e in snap.items():
+            st = e.get("stats")
+            if st is None:
+                continue
+            for d, dev in enumerate(st["devices"]):
+                self.add_row(name, str(d), str(dev["reads"]), str(dev["writes"]),
+                             f"{dev['reads_inflight']}+{dev['reads_queued']}",
+                             f"{dev['writes_inflight']}+{dev['writes_queued']}",
+                             pct(st["read_latency"][d], 50), pct(st["read_latency"][d], 99),
+                             pct(st["write_latency"][d], 99))

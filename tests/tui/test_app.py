@@ -1,0 +1,72 @@
+"""The dashboard driven like a user: keys pressed, screens switched, values checked against the stats."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore import KVCacheClient
+from kvstore.shm.stats import DeviceCounters, Histogram, ServiceCounters, StoreStatistics
+from kvstore.testing import make_store
+from kvstore.tui.app import DashboardApp, HelpScreen
+from kvstore.tui.source import CannedSource, LiveSource
+from kvstore.tui.widgets.servers import ServersTable
+
+
+def stats(hits: int, misses: int, read: int) -> dict[str, Any]:
+    h = Histogram(tuple([0] * 8 + [10] + [0] * 23))
+    s = StoreStatistics(ServiceCounters(hits=hits, misses=misses, bytes_read=read, own_slots=100, own_slots_valid=40,
+                                        slots_total=200, slots_valid=90, clients_connected=2, evictions=7),
+                        (DeviceCounters(reads=5, writes=3),), h, (h,), (h,))
+    return dataclasses.asdict(s)
+
+
+def canned() -> CannedSource:
+    snaps = [{"a": {"running": True, "pid": 11, "stats": stats(h, 10, h << 20), "tenants": {"": {"slots": 40}}},
+              "b": {"running": False, "pid": None, "stats": None, "tenants": {}}} for h in (10, 30, 90)]
+    return CannedSource("demo", snaps)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_keys_screens_and_values(size: tuple[int, int]) -> None:
+    app = DashboardApp(canned(), interval=60)
+    async with app.run_test(size=size) as pilot:
+        table = app.query_one(ServersTable)
+        assert table.row_count == 2
+        row_a = table.get_row("a")
+        assert row_a[1] == "up 11" and row_a[2] == "40/100" and row_a[4] == "50.0%"
+        assert table.get_row("b")[1] == "down"
+        await pilot.press("r")
+        assert app.query_one(ServersTable).get_row("a")[4] == "75.0%"  # 30 hits, 10 misses
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("p")
+        assert app.paused
+        status = str(app.query_one("#status").render())
+        assert "1/2 servers up" in status and "paused" in status
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+async def test_live_source_shows_what_the_service_holds(home: Path, file_devices: Any, services: Any) -> None:
+    ps = 16 << 10
+    (dev,) = file_devices.make(1, (1 << 20) + 64 * (4096 + ps))
+    make_store(home, "d", [dev], ps)
+    svc = services(home, "d")
+    with KVCacheClient.connect("d", home=home) as c:
+        c.put([b"a", b"b"], [bytes(ps), bytes(ps)], wait=True)
+        with c.get([b"a", b"zz"]) as v:
+            assert v.hits == 1
+    src = LiveSource("d", home)
+    snap = src.snapshot()
+    assert snap["local"]["running"] and snap["local"]["pid"] == svc.pid
+    assert snap["local"]["stats"]["service"]["hits"] == 1
+    app = DashboardApp(src, interval=60)
+    async with app.run_test(size=(80, 24)):
+        row = app.query_one(ServersTable).get_row("local")
+        assert row[4] == "50.0%" and row[6] == "32.0 KiB"
