@@ -8,16 +8,48 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from .config import ServerConfig, ServiceConfig, StoreConfig, SyncConfig, WorkerConfig, run_dir, save_store
 from .errors import KVStoreError
 from .shm.segment import leftovers, name_prefix
 from .storage.device import format_device
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P+1 are free on 127.0.0.1 (sync, events and metrics use P+1 too)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = int(s.getsockname()[1])
+        if p >= 65534:
+            continue
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise OSError("no free pair of ports on 127.0.0.1")
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 15.0, interval: float = 0.02) -> bool:
+    """Poll ``pred`` until it is true or ``timeout`` seconds pass; True if it became true.
+
+    For asynchronous effects (replication, gauges): wait with a deadline, never a fixed sleep.
+    """
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def make_store(home: Path, name: str, devices: list[str], page_size: int, servers: list[str] | None = None,

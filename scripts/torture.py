@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore.config import ServiceConfig, SyncConfig  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore.testing import ServiceProcess, free_port_pair, make_store  # noqa: E402
 
 CLIENT = r"""
 import json, random, sys, time
@@ -73,17 +72,6 @@ print(json.dumps(out), flush=True)
 """
 
 
-def free_port_pair() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
 
 
 def main() -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ from kvstore.shm.index import ENTRY_DTYPE, KeyIndex, index_capacity  # noqa: E40
 from kvstore.shm.segment import Segment, create_semaphore, unlink_semaphore  # noqa: E402
 from kvstore.shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap  # noqa: E402
 from kvstore.shm.stats import StatsBlock, stats_nbytes  # noqa: E402
+from kvstore.testing import free_port_pair  # noqa: E402
 
 PAGE = 1 << 20
 
@@ -130,17 +130,6 @@ def bench_catchup(n: int, total_slots: int) -> dict[str, float]:
     return {"updates": n, "seconds": dt, "bytes": nbytes}
 
 
-def free_port_pair() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
 
 
 def bench_visibility(servers: int, rate: float, seconds: float) -> dict[str, Any]:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import transformers  # noqa: E402
 
 from kvstore import KVCacheClient  # noqa: E402
 from kvstore.engines.transformers import KVStoreCache, prefill  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore.testing import ServiceProcess, free_port_pair, make_store  # noqa: E402
 
 PAGE_TOKENS = 64
 QUESTION = 32
@@ -52,17 +51,6 @@ def model_for_bench() -> Any:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def free_port_pair() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
 
 
 def first_token(model: Any, ids: Any, kv: KVStoreCache | None) -> tuple[float, int, int]:

@@ -14,8 +14,7 @@ import zmq
 from kvstore import KVCacheClient
 from kvstore.config import ServiceConfig, load_store
 from kvstore.engines.events import END_SEQ, block_hash
-from kvstore.testing import make_store
-from tests.integration.test_multiserver import free_port_pair
+from kvstore.testing import free_port_pair, make_store
 
 pytestmark = pytest.mark.integration
 PS = 16 << 10

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvstore import KVCacheClient  # noqa: E402
 from kvstore.engines.transformers import KVStoreCache, generate_with_store, prefill  # noqa: E402
-from kvstore.testing import make_store  # noqa: E402
+from kvstore.testing import free_port_pair, make_store, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -87,13 +87,6 @@ def test_greedy_32_tokens_identical_and_reused(model: Any, store: Path) -> None:
         assert other.lookup(ids) == 0
 
 
-def wait_for(pred: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 SAVER = textwrap.dedent("""
@@ -125,8 +118,6 @@ def test_one_process_saves_another_reuses(model: Any, store: Path) -> None:
 
 
 def test_two_servers_of_a_store(model: Any, home: Path, file_devices: Any, services: Any) -> None:
-    from tests.integration.test_multiserver import free_port_pair
-
     devs = file_devices.make(1, (1 << 20) + 2 * 200 * (4096 + PAGE_BYTES))
     make_store(home, "llm", devs, PAGE_BYTES, [f"a=127.0.0.1:{free_port_pair()}", f"b=127.0.0.1:{free_port_pair()}"])
     services(home, "llm", "a")

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from kvstore import KVCacheClient  # noqa: E402
 from kvstore.engines.vllm_mapping import LAYOUT, SchedulerSide, WorkerSide  # noqa: E402
 from kvstore.keys import KeyNamespace  # noqa: E402
-from kvstore.testing import make_store  # noqa: E402
+from kvstore.testing import make_store, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -29,15 +29,6 @@ def caches(num_blocks: int = 64, seed: int | None = None) -> dict[str, Any]:
             for i in range(LAYERS)}
 
 
-def wait_for(pred: Any, timeout: float = 10.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.fixture

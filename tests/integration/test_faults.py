@@ -18,8 +18,8 @@ import pytest
 from kvstore import KVCacheClient
 from kvstore.quickstart import page_bytes
 from kvstore.storage.device import read_superblock
-from kvstore.testing import make_store
-from tests.integration.test_multiserver import free_port_pair, stats, wait_for
+from kvstore.testing import free_port_pair, make_store, wait_for
+from tests.integration.test_multiserver import stats
 
 pytestmark = pytest.mark.integration
 PS = 16 << 10

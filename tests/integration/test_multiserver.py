@@ -21,28 +21,13 @@ from kvstore.quickstart import page_bytes
 from kvstore.shm.segment import Segment
 from kvstore.shm.slots import VALID
 from kvstore.shm.stats import StatsBlock
-from kvstore.testing import make_store
+from kvstore.testing import free_port_pair, make_store, wait_for
 
 pytestmark = pytest.mark.integration
 
 PS = 16 << 10
 
 
-def free_port_pair() -> int:
-    """A port P with P and P+1 free on 127.0.0.1."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p >= 65534:
-            continue
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def stats(svc: Any) -> Any:
@@ -53,13 +38,6 @@ def stats(svc: Any) -> Any:
         seg.close()
 
 
-def wait_for(pred: Any, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def keys_of(prefix: str, n: int) -> list[bytes]:

@@ -15,8 +15,8 @@ import pytest
 from kvstore import KVCacheClient, QuotaExceeded
 from kvstore.config import ServiceConfig, save_store
 from kvstore.quickstart import page_bytes
-from kvstore.testing import make_store
-from tests.integration.test_multiserver import stats, wait_for
+from kvstore.testing import make_store, wait_for
+from tests.integration.test_multiserver import stats
 
 pytestmark = pytest.mark.integration
 PS = 16 << 10

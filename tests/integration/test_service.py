@@ -18,7 +18,7 @@ from kvstore.errors import ServiceLost, StoreNotFound
 from kvstore.quickstart import page_bytes
 from kvstore.shm.segment import Segment
 from kvstore.shm.stats import StatsBlock
-from kvstore.testing import make_store
+from kvstore.testing import make_store, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -38,14 +38,6 @@ def stats(svc) -> object:  # type: ignore[no-untyped-def]
         seg.close()
 
 
-def wait_for(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    """Poll ``pred`` until true or the deadline (gauges refresh every 20 ms)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def keys_of(prefix: str, n: int) -> list[bytes]:

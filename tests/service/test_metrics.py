@@ -11,8 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import KVCacheClient
 from kvstore.quickstart import page_bytes
-from kvstore.testing import make_store
-from tests.integration.test_multiserver import free_port_pair
+from kvstore.testing import free_port_pair, make_store
 
 pytestmark = pytest.mark.integration
 PS = 16 << 10
