@@ -290,7 +290,7 @@ class KVCacheClient:
                 raise TypeError(f"keys[{start + j}] must be bytes, got {type(k).__name__}")
             if not k:
                 raise ValueError(f"keys[{start + j}] is empty")
-        blob = b"".join(hashlib.blake2b(k, digest_size=32).digest() for k in part)
+        blob = b"".join(key_id(k) for k in part)
         self._chan.keys[:n] = np.frombuffer(blob, dtype=np.uint8).reshape(n, 32)
 
     def _deadline(self, timeout: float | None) -> float:

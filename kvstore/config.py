@@ -53,6 +53,17 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
+ADDRESS_RE = re.compile(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$")
+
+
+def check_address(addr: str, what: str, max_port: int = 65534) -> str:
+    """Validate ``HOST:PORT`` (PORT in 1..max_port; 65534 where PORT+1 is used too)."""
+    m = ADDRESS_RE.match(addr)
+    if not m or not 1 <= int(m.group(2)) <= max_port:
+        raise ValueError(f"{what} {addr!r} is not HOST:PORT (PORT 1..{max_port})")
+    return addr
+
+
 def check_page_size(page_size: int) -> int:
     """Validate a page size: a multiple of 4 KiB between 4 KiB and 64 MiB."""
     if page_size % 4096 or not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
@@ -82,17 +93,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_name(self.name, "server")
-        if self.sync:
-            m = re.match(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$", self.sync)
-            if not m or not 1 <= int(m.group(2)) <= 65534:
-                raise ValueError(f"server {self.name}: sync address {self.sync!r} is not HOST:PORT "
-                                 "(PORT 1..65534; PORT+1 is used too)")
-        if self.events:
-            m = re.match(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$", self.events)
-            if not m or not 1 <= int(m.group(2)) <= 65534:
-                raise ValueError(f"server {self.name}: events address {self.events!r} is not HOST:PORT")
-        if self.metrics and not re.match(r"^([A-Za-z0-9_.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$", self.metrics):
-            raise ValueError(f"server {self.name}: metrics address {self.metrics!r} is not HOST:PORT")
+        for what, addr, max_port in (("sync", self.sync, 65534), ("events", self.events, 65534),
+                                     ("metrics", self.metrics, 65535)):
+            if addr:
+                check_address(addr, f"server {self.name}: {what} address", max_port)
         if self.public_key and len(self.public_key) != 40:
             raise ValueError(f"server {self.name}: public_key must be 40 Z85 characters")
 

@@ -50,7 +50,7 @@ from ..shm.board import BOARD_BYTES, Board
 from ..shm.index import ENTRY_DTYPE, KeyIndex, index_capacity
 from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
                            unlink_semaphore, wait_semaphore)
-from ..shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap, slot_table
+from ..shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap, entry_words, slot_table
 from ..shm.stats import D, StatsBlock, stats_nbytes
 from ..storage.device import verify_device
 from ..storage.header import HEADER_BLOCK
@@ -311,8 +311,7 @@ class Supervisor:
         self.stats.dev_set(w.device, "pid", w.proc.pid)
 
     def _digests(self, gids: Any) -> list[bytes]:
-        s = self.slots[np.asarray(gids, dtype=np.int64)]
-        return [bytes(x) for x in np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1).astype("<u8")]
+        return [bytes(x) for x in entry_words(self.slots[np.asarray(gids, dtype=np.int64)])]
 
     def _note(self, gid: int) -> None:
         """Queue the slot's register *as it is now* for peers (it may change again before the

@@ -25,7 +25,7 @@ from ..crdt.log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA,
 from ..crdt.merge import apply, gids_of, registers_of
 from ..crdt.register import REGISTER_DTYPE
 from ..shm.index import KeyIndex
-from ..shm.slots import RETIRED, VALID, SlotMap
+from ..shm.slots import RETIRED, VALID, SlotMap, entry_words
 from ..shm.stats import StatsBlock
 
 log = structlog.get_logger(__name__)
@@ -120,12 +120,8 @@ class SyncLink:
                 valid = changed[self.slots["state"][changed] == VALID]
                 if self.on_change is not None:
                     old = before[np.searchsorted(uniq, changed)]
-                    gone = old[old["state"] == VALID]
-                    digests = np.stack([gone["d0"], gone["d1"], gone["d2"], gone["d3"]], axis=1).astype("<u8")
-                    self.on_change([bytes(d) for d in digests], valid)
-                if len(valid):
-                    s = self.slots[valid]
-                    self.index.insert_many(np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1), valid)
+                    self.on_change([bytes(d) for d in entry_words(old[old["state"] == VALID])], valid)
+                self.index.index_slots(valid)
                 self.stats.add("sync_records_merged", len(changed))
         hints = recs[recs["kind"] == K_HINT]
         if len(hints) and self.on_hint is not None:

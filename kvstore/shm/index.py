@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .slots import VALID
+from .slots import VALID, entry_words
 
 ENTRY_DTYPE = np.dtype([("tag", "<u8"), ("gid", "<i8")])
 REBUILD_FILL = 0.75
@@ -170,11 +170,12 @@ class KeyIndex:
         self.e["tag"] = 0
         self.used = 0
         self.rebuilds += 1
-        valid = np.nonzero(self.slots["state"] == VALID)[0]
-        if len(valid):
-            s = self.slots[valid]
-            words = np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1)
-            self.insert_many(words, valid.astype(np.int64))
+        self.index_slots(np.nonzero(self.slots["state"] == VALID)[0])
+
+    def index_slots(self, gids: np.ndarray[Any, Any]) -> None:
+        """Index slots ``gids`` under the digests the slot table holds for them."""
+        if len(gids):
+            self.insert_many(entry_words(self.slots[gids]), np.asarray(gids, dtype=np.int64))
 
     def statistics(self) -> IndexStatistics:
         """Capacity, used entries, rebuilds."""

@@ -38,6 +38,13 @@ def digest_words(digests: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.ascontiguousarray(digests, dtype=np.uint8).reshape(-1, 32).view("<u8")
 
 
+def entry_words(entries: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The key digests of slot-table entries (or registers) as ``n x 4`` u64 words."""
+    words: np.ndarray[Any, Any] = np.stack([entries["d0"], entries["d1"], entries["d2"], entries["d3"]],
+                                           axis=1).astype("<u8", copy=False)
+    return words
+
+
 class SlotMap:
     """Maps (device, area, slot) to a global slot id and back.
 

@@ -68,10 +68,7 @@ def random_regs(rng: np.random.Generator, smap: SlotMap, n: int, area: int | Non
 def merge_into(slots: np.ndarray, index: KeyIndex, smap: SlotMap, regs: np.ndarray) -> None:
     """What SyncLink.drain does with peer registers."""
     changed = apply(slots, gids_of(smap, regs), regs)
-    valid = changed[slots["state"][changed] == VALID]
-    if len(valid):
-        s = slots[valid]
-        index.insert_many(np.stack([s["d0"], s["d1"], s["d2"], s["d3"]], axis=1), valid)
+    index.index_slots(changed[slots["state"][changed] == VALID])
 
 
 def bench_merge(total_slots: int) -> dict[str, float]:

@@ -12,14 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvstore import KVCacheClient
 from kvstore.quickstart import page_bytes
 from kvstore.storage.device import read_superblock
 from kvstore.testing import free_port_pair, make_store, wait_for
-from tests.integration.test_multiserver import stats
+from tests.integration.test_multiserver import read_all, stats
 
 pytestmark = pytest.mark.integration
 PS = 16 << 10
@@ -30,20 +29,8 @@ def keys_of(prefix: str, n: int) -> list[bytes]:
 
 
 def verify(home: Path, keys: list[bytes], server: str | None = None) -> tuple[int, int, int]:
-    """(hits, misses, wrong) over ``keys``."""
-    h = m = w = 0
-    with KVCacheClient.connect("f", home=home, server=server) as c:
-        for s in range(0, len(keys), c.max_batch):
-            ks = keys[s:s + c.max_batch]
-            with c.get(ks) as b:
-                for k, v in zip(ks, b):
-                    if v is None:
-                        m += 1
-                    elif np.array_equal(np.frombuffer(v, np.uint8), page_bytes(k, PS)):
-                        h += 1
-                    else:
-                        w += 1
-    return h, m, w
+    """(hits, misses, wrong) over ``keys`` of store "f"."""
+    return read_all(home, server, keys, store="f")
 
 
 def slot_offsets(dev: str) -> list[int]:

@@ -56,10 +56,10 @@ def put_pages(home: Path, server: str, keys: list[bytes]) -> Any:
         return c.put(keys, [page_bytes(k, PS) for k in keys], wait=True)
 
 
-def read_all(home: Path, server: str, keys: list[bytes]) -> tuple[int, int, int]:
+def read_all(home: Path, server: str | None, keys: list[bytes], store: str = "m") -> tuple[int, int, int]:
     """(hits, misses, wrong) reading ``keys`` on ``server``."""
     hits = misses = wrong = 0
-    with KVCacheClient.connect("m", server=server, home=home) as c:
+    with KVCacheClient.connect(store, server=server, home=home) as c:
         for s in range(0, len(keys), c.max_batch):
             ks = keys[s:s + c.max_batch]
             with c.get(ks) as b:
