@@ -1,6 +1,8 @@
 """mass-ctl: the administrator's and GPU server's command line.
 
     mass-ctl kvcache create STORE --device PATH... --page-size SIZE --server NAME[=HOST:PORT]...
+                            [--area-size SIZE | --spare N]
+    mass-ctl kvcache allow STORE NAME[=HOST:PORT] / deny STORE NAME
     mass-ctl kvcache connect STORE [--server NAME]
     mass-ctl kvcache connect STORE [--server NAME] --daemon / disconnect STORE [--server NAME]
     mass-ctl kvcache status STORE [--server NAME] [--json] [--watch]
@@ -26,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ._units import format_size, parse_size
-from .config import (ServerConfig, StoreConfig, check_name, check_page_size, load_store, mass_home,
-                     run_dir, save_store, store_path)
+from .config import (ServerConfig, StoreConfig, check_name, check_page_size, load_store,
+                     mass_home, run_dir, save_store, store_path)
 from .errors import AlreadyRunning, DeviceMismatch, KVStoreError, NotAllowed, StoreNotFound
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
@@ -38,7 +40,8 @@ def _err(msg: str) -> None:
 
 
 def cmd_create(a: argparse.Namespace) -> int:
-    from .storage.device import format_device
+    from .storage.device import device_size, format_device
+    from .storage.superblock import BLOCK, MAX_AREAS, areas_that_fit
 
     home = mass_home()
     check_name(a.store, "store")
@@ -63,6 +66,14 @@ def cmd_create(a: argparse.Namespace) -> int:
     servers = [ServerConfig(n, sync, create_keypair(a.store, n, home), events.get(n, "")) for n, _, sync in specs]
     cfg = StoreConfig(name=a.store, uuid=store_uuid, page_size=page_size, devices=tuple(a.device),
                       servers=tuple(servers))
+    if a.spare is not None and not 0 <= a.spare <= MAX_AREAS - len(servers):
+        raise ValueError(f"--spare must be in [0, {MAX_AREAS - len(servers)}] ({MAX_AREAS} areas at most)")
+    area_slots = None
+    if a.area_size is not None:
+        area_slots = parse_size(a.area_size, name="--area-size") // (BLOCK + page_size)
+        if area_slots < 1:
+            raise ValueError(f"--area-size {a.area_size} holds no slot of {format_size(BLOCK + page_size)} "
+                             "(a page plus its 4 KiB header)")
     for d in a.device:
         if not os.path.exists(d):
             if a.device_size is None:
@@ -70,12 +81,25 @@ def cmd_create(a: argparse.Namespace) -> int:
                 return EXIT_USAGE
             with open(d, "wb") as f:
                 f.truncate(parse_size(a.device_size, name="--device-size"))
+    sizes = [device_size(d) for d in a.device]
+    n_areas = len(servers) + (a.spare or 0)
+    if area_slots is not None:
+        fit = min(areas_that_fit(sz, page_size, area_slots) for sz in sizes)
+        if fit < len(servers):
+            raise ValueError(f"--area-size {a.area_size}: the smallest device holds {fit} such area(s), "
+                             f"{len(servers)} server(s) need one each")
+        n_areas = fit if a.spare is None else min(fit, n_areas)
+        if n_areas < len(servers) + (a.spare or 0):
+            raise ValueError(f"--area-size {a.area_size} with --spare {a.spare}: the smallest device holds "
+                             f"only {fit} area(s)")
     for i, d in enumerate(a.device):
         sb = format_device(d, store_uuid=cfg.uuid_bytes, store_name=cfg.name, page_size=page_size,
                            device_index=i, device_count=len(a.device), servers=[s.name for s in servers],
-                           force=a.force)
+                           force=a.force, areas=n_areas, area_slots=area_slots)
         per = sb.areas[0].slot_count
-        print(f"formatted {d}: {len(sb.areas)} area(s) of {per} slots ({format_size(per * page_size)} each)")
+        spare = sum(1 for x in sb.areas if x.spare)
+        print(f"formatted {d}: {len(sb.areas)} area(s) of {per} slots ({format_size(per * page_size)} each)"
+              + (f", {spare} spare for 'allow'" if spare else ""))
     p = save_store(cfg, home)
     print(f"created store {cfg.name} ({cfg.uuid}), page size {format_size(page_size)}; config {p}")
     if len(servers) > 1:
@@ -86,14 +110,144 @@ def cmd_create(a: argparse.Namespace) -> int:
 
 def _pick_server(cfg: StoreConfig, name: str | None) -> str:
     if name:
-        cfg.server_index(name)
+        cfg.check_allowed(name)
         return name
-    if len(cfg.servers) == 1:
-        return cfg.servers[0].name
+    if len(cfg.allowed) == 1:
+        return cfg.allowed[0].name
     host = socket.gethostname().split(".")[0].lower()
-    if any(s.name == host for s in cfg.servers):
+    if any(s.name == host for s in cfg.allowed):
         return host
-    raise NotAllowed(f"store {cfg.name!r} has servers {[s.name for s in cfg.servers]}: pass --server NAME")
+    raise NotAllowed(f"store {cfg.name!r} has servers {[s.name for s in cfg.allowed]}: pass --server NAME")
+
+
+def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> tuple[list[str], list[str]]:
+    """SIGHUP this machine's services of ``cfg`` and wait until each runs with ``generation``.
+
+    Returns (applied, not yet applied) server names; a denied server's service stops instead."""
+    from .shm.segment import Segment, name_prefix
+    from .shm.stats import StatsBlock
+
+    running = {s.name: _running(cfg.name, s.name, home) for s in cfg.servers}
+    running = {n: pid for n, pid in running.items() if pid}
+    for pid in running.values():
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except ProcessLookupError:
+            pass
+    pending = dict(running)
+    applied: list[str] = []
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for n in list(pending):
+            if not _running(cfg.name, n, home):
+                applied.append(n)  # it stopped: a denied server does
+                del pending[n]
+                continue
+            try:
+                seg = Segment.attach(name_prefix(home, cfg.name, n) + "stats")
+                gen = StatsBlock.attach(seg.buf).snapshot().service.config_generation
+                del seg
+            except Exception:  # starting or stopping right now
+                continue
+            if gen >= generation:
+                applied.append(n)
+                del pending[n]
+        time.sleep(0.05)
+    return applied, sorted(pending)
+
+
+def _set_area_everywhere(cfg: StoreConfig, index: int, server: str, denied: bool) -> int:
+    """Rewrite area ``index`` in every device's superblock; returns device 0's new generation."""
+    from .storage.device import set_area
+
+    gens = [set_area(d, store_uuid=cfg.uuid_bytes, index=index, server=server, denied=denied).generation
+            for d in cfg.devices]
+    return gens[0]
+
+
+def cmd_allow(a: argparse.Namespace) -> int:
+    from .crdt.keys import create_keypair
+    from .storage.device import read_superblock, verify_device
+
+    home = mass_home()
+    cfg = load_store(a.store, home)
+    name, _, sync = a.server.partition("=")
+    check_name(name, "server")
+    ServerConfig(name, sync, events=a.events or "", metrics=a.metrics or "")  # validate before writing
+    sbs = [verify_device(d, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
+                         device_count=len(cfg.devices), servers=[s.name for s in cfg.servers], denied=cfg.denied)
+           for i, d in enumerate(cfg.devices)]
+    existing = {s.name: i for i, s in enumerate(cfg.servers)}
+    if name in existing and not cfg.servers[existing[name]].denied:
+        raise NotAllowed(f"server {name!r} is already allowed on store {cfg.name!r}")
+    if name in existing:
+        index = existing[name]
+        old = cfg.servers[index]
+        sv = dataclasses.replace(old, sync=sync or old.sync, events=a.events or old.events,
+                                 metrics=a.metrics or old.metrics, denied=False)
+    else:
+        index = len(cfg.servers)
+        sv = ServerConfig(name, sync, events=a.events or "", metrics=a.metrics or "")
+    servers = list(cfg.servers)
+    if index < len(servers):
+        servers[index] = sv
+    else:
+        servers.append(sv)
+    dataclasses.replace(cfg, servers=tuple(servers))  # validates: sync addresses, server count
+    if index >= len(sbs[0].areas):
+        raise NotAllowed(
+            f"store {cfg.name!r} has no spare area: its {len(sbs[0].areas)} area(s) per device are all "
+            f"assigned. Deny a server and allow it again, or recreate the store with --area-size or --spare "
+            f"to leave room for more servers")
+    sv = dataclasses.replace(sv, public_key=create_keypair(cfg.name, name, home))
+    servers[index] = sv
+    new = dataclasses.replace(cfg, servers=tuple(servers))
+    gen = _set_area_everywhere(new, index, name, denied=False)  # devices first: services verify against them
+    save_store(new, home)
+    slots = sum(sb.areas[index].slot_count for sb in (read_superblock(d) for d in cfg.devices))
+    print(f"allowed server {name} on store {cfg.name}: area {index}, {slots} slots "
+          f"({format_size(slots * cfg.page_size)}) over {len(cfg.devices)} device(s)")
+    applied, late = _tell_running(new, home, gen, a.timeout)
+    if applied:
+        print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
+    if late:
+        _err(f"not yet applied by: {', '.join(late)} (they re-read the config every 0.5 s; see their logs)")
+    print(f"next: copy {store_path(cfg.name, home)} to every server's MASS_HOME/stores/ and "
+          f"{home / 'keys' / cfg.name / (name + '.key')} to {name}'s MASS_HOME/keys/{cfg.name}/, then run "
+          f"'mass-ctl kvcache connect {cfg.name} --server {name}' there")
+    return EXIT_FAIL if late else EXIT_OK
+
+
+def cmd_deny(a: argparse.Namespace) -> int:
+    from .storage.device import verify_device
+
+    home = mass_home()
+    cfg = load_store(a.store, home)
+    index = cfg.server_index(a.server)
+    if cfg.servers[index].denied:
+        raise NotAllowed(f"server {a.server!r} is already denied on store {cfg.name!r}")
+    if len(cfg.allowed) == 1:
+        raise NotAllowed(f"server {a.server!r} is the last allowed server of store {cfg.name!r}: "
+                         "a store needs at least one")
+    for i, d in enumerate(cfg.devices):
+        verify_device(d, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
+                      device_count=len(cfg.devices), servers=[s.name for s in cfg.servers], denied=cfg.denied)
+    servers = list(cfg.servers)
+    servers[index] = dataclasses.replace(servers[index], denied=True, public_key="")
+    new = dataclasses.replace(cfg, servers=tuple(servers))
+    gen = _set_area_everywhere(new, index, a.server, denied=True)
+    save_store(new, home)
+    key = home / "keys" / cfg.name / f"{a.server}.key"
+    key.unlink(missing_ok=True)
+    print(f"denied server {a.server} on store {cfg.name}: its key is revoked and its area {index} is no "
+          "longer read")
+    applied, late = _tell_running(new, home, gen, a.timeout)
+    if applied:
+        print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
+    if late:
+        _err(f"not yet applied by: {', '.join(late)} (see their logs)")
+    print(f"next: copy {store_path(cfg.name, home)} to every other server's MASS_HOME/stores/")
+    return EXIT_FAIL if late else EXIT_OK
 
 
 def cmd_connect(a: argparse.Namespace) -> int:
@@ -230,7 +384,7 @@ def cmd_list(a: argparse.Namespace) -> int:
             out.append({"store": p.stem, "error": str(e)})
             continue
         out.append({"store": cfg.name, "page_size": cfg.page_size, "devices": len(cfg.devices),
-                    "servers": [s.name for s in cfg.servers],
+                    "servers": [s.name for s in cfg.servers], "denied": list(cfg.denied),
                     "running": [s.name for s in cfg.servers if _running(cfg.name, s.name, home)]})
     if a.json:
         print(json.dumps(out, indent=2))
@@ -243,7 +397,8 @@ def cmd_list(a: argparse.Namespace) -> int:
         if "error" in r:
             print(f"{r['store']:<20}  error: {r['error']}")
             continue
-        names = ", ".join(n + ("*" if n in r["running"] else "") for n in r["servers"])
+        names = ", ".join(n + ("*" if n in r["running"] else "") + (" (denied)" if n in r["denied"] else "")
+                          for n in r["servers"])
         print(f"{r['store']:<20}{format_size(r['page_size']):>10}{r['devices']:>9}  {names}")
     return EXIT_OK
 
@@ -259,13 +414,15 @@ def cmd_show(a: argparse.Namespace) -> int:
         try:
             sb = read_superblock(d)
             e.update({"size": device_size(d), "belongs": sb.store_uuid == cfg.uuid_bytes,
-                      "areas": [{"server": x.server, "slots": x.slot_count} for x in sb.areas]})
+                      "generation": sb.generation,
+                      "areas": [{"server": x.server or None, "slots": x.slot_count, "denied": x.denied}
+                                for x in sb.areas]})
         except KVStoreError as err:
             e["error"] = str(err)
         devices.append(e)
-    servers = [{"name": s.name, "sync": s.sync or None, "events": s.events or None, "metrics": s.metrics or None,
+    servers = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None, "events": s.events or None, "metrics": s.metrics or None,
                 "key_here": (home / "keys" / cfg.name / f"{s.name}.key").exists(),
-                "running_pid": _running(cfg.name, s.name, home) or None} for s in cfg.servers]
+                "running_pid": _running(cfg.name, s.name, home) or None} for i, s in enumerate(cfg.servers)]
     out = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size, "devices": devices, "servers": servers,
            "namespaces": cfg.namespaces, "quotas": cfg.quotas, "pin_quotas": cfg.pin_quotas,
            "service": dataclasses.asdict(cfg.service), "worker": dataclasses.asdict(cfg.worker)}
@@ -277,12 +434,15 @@ def cmd_show(a: argparse.Namespace) -> int:
         if "error" in e:
             print(f"  device {e['index']}: {e['path']}  ERROR: {e['error']}")
         else:
-            areas = ", ".join(f"{x['server']}={x['slots']}" for x in e["areas"])
+            areas = ", ".join(f"{x['server'] or '(spare)'}={x['slots']}{' DENIED' if x['denied'] else ''}"
+                              for x in e["areas"])
             mark = "" if e["belongs"] else "  (belongs to ANOTHER store)"
             print(f"  device {e['index']}: {e['path']}  {format_size(e['size'])}, slots per area: {areas}{mark}")
     for s in servers:
         extra = "".join(f", {k} {s[k]}" for k in ("sync", "events", "metrics") if s[k])
         state = f"running (pid {s['running_pid']})" if s["running_pid"] else "not running"
+        if s["denied"]:
+            state = "DENIED, " + state
         print(f"  server {s['name']}: {state}{extra}{'' if s['key_here'] else ', no key file on this machine'}")
     for t, ns in cfg.namespaces.items():
         print(f"  tenant {t} shares namespace {ns}")
@@ -342,7 +502,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish vLLM-format KV events of server NAME on PORT (replay on PORT+1); repeatable")
     c.add_argument("--device-size", metavar="SIZE", help="create missing device paths as sparse files of SIZE")
     c.add_argument("--force", action="store_true", help="reformat devices of another store (their pages are lost)")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--area-size", metavar="SIZE",
+                   help="device space of each server's area on each device, headers included (e.g. 64GiB); "
+                        "the rest of the device becomes spare areas of the same size for 'allow'. "
+                        "Default: the device split equally among the servers (and --spare)")
+    g.add_argument("--spare", type=int, metavar="N",
+                   help="split each device into one area per server plus N spare areas for 'allow'")
     c.set_defaults(fn=cmd_create)
+
+    c = ks.add_parser("allow", help="allow a server on a store: give it a spare area and a keypair",
+                      description="Assign SERVER a spare area (or give a denied SERVER its area back), create its "
+                                  "CurveZMQ keypair, record it on every device's superblock and in the store "
+                                  "config, and tell this machine's running services (they re-read the config). "
+                                  "Exit 4 when the store has no spare area or SERVER is already allowed.")
+    c.add_argument("store")
+    c.add_argument("server", metavar="NAME[=HOST:PORT]", help="server name and its sync address")
+    c.add_argument("--events", metavar="HOST:PORT", help="where its service publishes vLLM-format KV events")
+    c.add_argument("--metrics", metavar="HOST:PORT", help="its Prometheus endpoint")
+    c.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for running services here to apply it (default 10)")
+    c.set_defaults(fn=cmd_allow)
+
+    c = ks.add_parser("deny", help="cut a server off a store: revoke its key, stop reading its area",
+                      description="Mark SERVER denied on every device's superblock and in the store config and "
+                                  "delete its key here. Running services drop its pages from their index, stop "
+                                  "accepting its connections, and its own service stops. Its area keeps its "
+                                  "index; 'allow' gives it back. Exit 4 for the last allowed server.")
+    c.add_argument("store")
+    c.add_argument("server", metavar="NAME")
+    c.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for running services here to apply it (default 10)")
+    c.set_defaults(fn=cmd_deny)
 
     c = ks.add_parser("connect", help="run this server's cache service in the foreground",
                       description="Start the cache service of STORE as this server; Ctrl-C or SIGTERM stops it cleanly.")

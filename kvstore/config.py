@@ -90,6 +90,9 @@ class ServerConfig:
     ROUTER on PORT+1) for cache-aware routers; empty: no events."""
     metrics: str = ""
     """``HOST:PORT`` of its Prometheus text endpoint (``/metrics``); empty: none."""
+    denied: bool = False
+    """Cut off by ``mass-ctl kvcache deny``: it may not connect, peers drop its key and stop
+    reading its area. Its entry stays so that area indices never shift."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "server")
@@ -199,7 +202,7 @@ class StoreConfig:
     devices: tuple[str, ...]
     """Device paths in device-index order (block devices or plain files)."""
     servers: tuple[ServerConfig, ...]
-    """Allowed servers in area-index order."""
+    """Servers in area-index order (server i owns area i on every device), denied ones included."""
     salt: str = field(default_factory=lambda: secrets.token_hex(16))
     """Hex salt mixed into every key digest (BLAKE2b key), so digests are not guessable."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -230,6 +233,8 @@ class StoreConfig:
         names = [s.name for s in self.servers]
         if len(set(names)) != len(names):
             raise ValueError("a server name is listed twice")
+        if all(s.denied for s in self.servers):
+            raise ValueError("every server of the store is denied: at least one must stay allowed")
         if len(self.servers) > 1:
             for sv in self.servers:
                 if not sv.sync:
@@ -276,8 +281,28 @@ class StoreConfig:
         for i, s in enumerate(self.servers):
             if s.name == name:
                 return i
-        allowed = ", ".join(s.name for s in self.servers)
+        allowed = ", ".join(s.name for s in self.allowed)
         raise NotAllowed(f"server {name!r} is not allowed on store {self.name!r} (allowed: {allowed})")
+
+    @property
+    def allowed(self) -> tuple[ServerConfig, ...]:
+        """The servers that are not denied."""
+        return tuple(s for s in self.servers if not s.denied)
+
+    @property
+    def denied(self) -> tuple[str, ...]:
+        """Names of denied servers."""
+        return tuple(s.name for s in self.servers if s.denied)
+
+    def check_allowed(self, name: str) -> int:
+        """Area index of server ``name``; raises ``NotAllowed`` if it is unknown or denied."""
+        from .errors import NotAllowed
+
+        i = self.server_index(name)
+        if self.servers[i].denied:
+            raise NotAllowed(f"server {name!r} was denied on store {self.name!r} "
+                             f"(allow it again with 'mass-ctl kvcache allow {self.name} {name}')")
+        return i
 
     def to_toml(self) -> str:
         """Serialize to the TOML text stored under MASS_HOME."""

@@ -55,8 +55,9 @@ def wait_for(pred: Callable[[], object], timeout: float = 15.0, interval: float 
 def make_store(home: Path, name: str, devices: list[str], page_size: int, servers: list[str] | None = None,
                *, service: ServiceConfig | None = None, worker: WorkerConfig | None = None,
                sync: SyncConfig | None = None, events: dict[str, str] | None = None,
-               metrics: dict[str, str] | None = None, force: bool = False) -> StoreConfig:
-    """Create a store config under ``home``, a keypair per server, and format its devices.
+               metrics: dict[str, str] | None = None, force: bool = False, spare: int = 0) -> StoreConfig:
+    """Create a store config under ``home``, a keypair per server, and format its devices
+    (one area per server plus ``spare`` spare areas, all equal).
 
     ``servers`` are ``NAME`` or ``NAME=HOST:PORT`` (several servers need sync addresses);
     ``events`` maps a server name to its KV events ``HOST:PORT``.
@@ -73,7 +74,7 @@ def make_store(home: Path, name: str, devices: list[str], page_size: int, server
     names = [n for n, _, _ in specs]
     for i, d in enumerate(devices):
         format_device(d, store_uuid=cfg.uuid_bytes, store_name=name, page_size=page_size, device_index=i,
-                      device_count=len(devices), servers=names, force=force)
+                      device_count=len(devices), servers=names, force=force, areas=len(names) + spare)
     save_store(cfg, home)
     return cfg
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from kvstore import KVCacheClient
 from kvstore.cli import main
+from kvstore.config import load_store, save_store
 
 
 def run(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -117,7 +119,7 @@ def test_list_show_daemon_watch_disconnect(env_home: Path) -> None:
         assert r.returncode == 4 and "already runs" in r.stderr
         show = json.loads(run(env_home, "kvcache", "show", "s1", "--json").stdout)
         assert show["devices"][0]["belongs"] is True and show["servers"][0]["running_pid"]
-        assert show["devices"][0]["areas"] == [{"server": "local", "slots": show["devices"][0]["areas"][0]["slots"]}]
+        assert show["devices"][0]["areas"] == [{"server": "local", "slots": 225, "denied": False}]
         out = run(env_home, "kvcache", "show", "s1").stdout
         assert "server local: running" in out
         w = run(env_home, "kvcache", "status", "s1", "--watch", "--interval", "0.1", "--count", "3")
@@ -136,3 +138,54 @@ def test_list_show_daemon_watch_disconnect(env_home: Path) -> None:
                  "--server", "local", "--force"]) == 0
     out = run(env_home, "kvcache", "show", "s2").stdout
     assert "ANOTHER store" in out
+
+
+def test_create_with_area_size_or_spares(env_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.storage.device import read_superblock
+
+    dev = str(env_home / "a.img")
+    # 64 MiB with 64 KiB pages (68 KiB slots): 12 MiB areas hold 180 slots, 5 such areas fit
+    assert main(["kvcache", "create", "a", "--device", dev, "--device-size", "64MiB", "--page-size", "64KiB",
+                 "--server", "x=127.0.0.1:7000", "--server", "y=127.0.0.1:7002", "--area-size", "12MiB"]) == 0
+    assert "3 spare for 'allow'" in capsys.readouterr().out
+    sb = read_superblock(dev)
+    assert [(x.server, x.slot_count) for x in sb.areas] == [("x", 180), ("y", 180)] + [("", 180)] * 3
+    assert main(["kvcache", "create", "b", "--device", str(env_home / "b.img"), "--device-size", "16MiB",
+                 "--page-size", "64KiB", "--server", "x", "--spare", "2"]) == 0
+    assert [x.server for x in read_superblock(str(env_home / "b.img")).areas] == ["x", "", ""]
+    out = json.loads(run(env_home, "kvcache", "show", "b", "--json").stdout)
+    assert [x["server"] for x in out["devices"][0]["areas"]] == ["x", None, None]
+    # refusals: an area too small for one slot, too large for the servers, too many spares, both options
+    for extra, msg in [(["--area-size", "32KiB"], "holds no slot"), (["--area-size", "40MiB"], "need one each"),
+                       (["--spare", "99"], "--spare must be"), (["--area-size", "lots"], "is not a size")]:
+        assert main(["kvcache", "create", "c", "--device", str(env_home / "c.img"), "--device-size", "64MiB",
+                     "--page-size", "64KiB", "--server", "x=127.0.0.1:7000", "--server", "y=127.0.0.1:7002",
+                     *extra]) == 2
+        assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["kvcache", "create", "c", "--device", "d", "--page-size", "64KiB", "--server", "x",
+              "--spare", "1", "--area-size", "1MiB"])
+    assert e.value.code == 2
+
+
+def test_allow_and_deny_without_running_services(env_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kvcache", "create", "s", "--device", str(env_home / "s.img"), "--device-size", "16MiB",
+                 "--page-size", "64KiB", "--server", "x=127.0.0.1:7000", "--spare", "1"]) == 0
+    assert main(["kvcache", "allow", "s", "y=127.0.0.1:7002", "--metrics", "127.0.0.1:9100"]) == 0
+    out = capsys.readouterr().out
+    assert "allowed server y on store s: area 1" in out and "mass-ctl kvcache connect s --server y" in out
+    assert main(["kvcache", "deny", "s", "x"]) == 0
+    assert "denied server x" in capsys.readouterr().out
+    lst = json.loads(run(env_home, "kvcache", "list", "--json").stdout)
+    assert lst[0]["servers"] == ["x", "y"] and lst[0]["denied"] == ["x"]
+    assert "x (denied)" in run(env_home, "kvcache", "list").stdout
+    assert "DENIED" in run(env_home, "kvcache", "show", "s").stdout
+    # the single allowed server is picked by connect; the denied one is refused
+    r = run(env_home, "kvcache", "connect", "s", "--server", "x")
+    assert r.returncode == 4 and "was denied" in r.stderr
+    # a config out of step with the devices is refused, not applied
+    cfg = load_store("s")
+    save_store(dataclasses.replace(cfg, servers=tuple(dataclasses.replace(s, denied=False, public_key="k" * 40)
+                                                      if s.name == "x" else s for s in cfg.servers)))
+    assert main(["kvcache", "allow", "s", "z=127.0.0.1:7004"]) == 4
+    assert "marks ['x'] denied" in capsys.readouterr().err

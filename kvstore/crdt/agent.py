@@ -75,6 +75,9 @@ class AgentParams:
     flush_records: int
     heartbeat_s: float
     request_timeout_s: float
+    snapshot_from: tuple[int, ...] = ()
+    """Areas of peers whose pages the supervisor forgot (denied, then allowed again): ask each
+    for a snapshot at first contact, since its delta stream alone would not repeat them."""
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Agent:
         self.sock_peer = {id(s): a for a, s in self.subs.items()}
         self.sock_peer.update({id(s): a for a, s in self.dealers.items()})
         self.parent = os.getppid()
+        self.want_snapshot = set(p.snapshot_from) & set(self.state)
 
     # ---- to the supervisor ---------------------------------------------------------------------
     def _to_supervisor(self, recs: np.ndarray[Any, Any]) -> bool:
@@ -146,7 +150,9 @@ class Agent:
         st.outstanding = True
         st.requested_at = now
         st.answer = []
-        self.dealers[peer].send(encode("q", peer, max(st.epoch, 0), st.next), zmq.NOBLOCK)
+        # epoch 0 names no run of the peer: it answers with a snapshot of its areas
+        epoch = 0 if peer in self.want_snapshot else max(st.epoch, 0)
+        self.dealers[peer].send(encode("q", peer, epoch, st.next), zmq.NOBLOCK)
         self.stats.add("sync_requests_sent")
 
     # ---- receiving -------------------------------------------------------------------------------
@@ -173,7 +179,7 @@ class Agent:
             if m.epoch != st.epoch:
                 st.epoch, st.next = m.epoch, 0
                 st.outstanding = False
-            if m.seq > st.next:
+            if m.seq > st.next or peer in self.want_snapshot:
                 self._request(peer, now)
         elif m.kind == "a":
             if m.epoch != st.epoch and not m.snapshot:
@@ -182,6 +188,8 @@ class Agent:
                 st.outstanding = False
                 return
             if m.last:
+                if m.snapshot:
+                    self.want_snapshot.discard(peer)
                 st.epoch = m.epoch
                 st.next = max(st.next, m.next_seq) if not m.snapshot else max(st.next, m.next_seq)
                 st.outstanding = False

@@ -44,6 +44,8 @@ COUNTERS = {
     "sync_requests_sent": ("sync_requests", "Anti-entropy requests sent"),
     "sync_records_merged": ("sync_merged_records", "Peer updates that changed the slot table"),
     "hints_received": ("hints_received", "Hit hints received from peers"),
+    "config_reloads": ("config_reloads", "Membership changes (allow/deny) applied while running"),
+    "areas_dropped": ("denied_dropped_pages", "Valid pages forgotten because their server was denied"),
 }
 GAUGES = {
     "clients_connected": ("clients", "Client connections now"),
@@ -52,6 +54,7 @@ GAUGES = {
     "own_slots": ("own_slots", "Slots in this server's areas"),
     "own_slots_valid": ("own_valid_slots", "This server's slots holding a valid page"),
     "pins": ("reads_in_flight_slots", "Slots with a read in flight"),
+    "config_generation": ("config_generation", "Superblock generation of the membership in use"),
 }
 DEVICE_COUNTERS = {
     "reads": ("device_reads", "Device reads completed"),

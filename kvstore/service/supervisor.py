@@ -37,8 +37,8 @@ import numpy as np
 import posix_ipc
 import structlog
 
-from ..config import StoreConfig, mass_home, run_dir
-from ..errors import AlreadyRunning
+from ..config import StoreConfig, load_store, mass_home, run_dir, store_path
+from ..errors import AlreadyRunning, KVStoreError
 from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_IO_ERROR, ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
 from ..crdt.agent import AgentParams, Peer, agent_main
@@ -50,7 +50,7 @@ from ..shm.board import BOARD_BYTES, Board
 from ..shm.index import ENTRY_DTYPE, KeyIndex, index_capacity
 from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
                            unlink_semaphore, wait_semaphore)
-from ..shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap, entry_words, slot_table
+from ..shm.slots import EMPTY, RETIRED, SLOT_DTYPE, VALID, SlotMap, entry_words, slot_table
 from ..shm.stats import D, StatsBlock, stats_nbytes
 from ..storage.device import verify_device
 from ..storage.header import HEADER_BLOCK
@@ -62,6 +62,7 @@ from .sync import SyncLink, new_epoch
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.02
+CONFIG_POLL_S = 0.5  # how often the store config file is checked for allow/deny
 
 
 def salted_words(keys: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any]:
@@ -151,7 +152,7 @@ class Supervisor:
         self.cfg = cfg
         self.server = server
         self.home = (home or mass_home()).resolve()
-        self.area = cfg.server_index(server)
+        self.area = cfg.check_allowed(server)
         self.prefix = name_prefix(self.home, cfg.name, server)
         self.rundir = run_dir(cfg.name, self.home)
         self.sock_path = self.rundir / f"{server}.sock"
@@ -177,6 +178,10 @@ class Supervisor:
         self.metrics: Any = None
         self.hints: list[int] = []
         self.log = log.bind(store=cfg.name, server=server)
+        self.cfg_path = store_path(cfg.name, self.home)
+        self._cfg_stat: tuple[int, int, int] | None = None
+        self._reload = False
+        self.resnapshot: set[int] = set()
         # who may use this service: its own user, plus a group when configured
         self.group: int | None = None
         if cfg.service.access_group:
@@ -225,10 +230,8 @@ class Supervisor:
             stale = remove_leftovers(self.prefix)
             if stale:
                 self.log.warning("removed leftovers of a crashed service", count=len(stale))
-            servers = [s.name for s in cfg.servers]
-            self.sbs = [verify_device(p, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
-                                      device_count=len(cfg.devices), servers=servers)
-                        for i, p in enumerate(cfg.devices)]
+            self._cfg_stat = self._config_stat()
+            self.sbs = self._verify_devices(cfg)
             self.smap = SlotMap([[a.slot_count for a in sb.areas] for sb in self.sbs])
             total = self.smap.total
             self.arena_count = cfg.service.max_clients * cfg.service.client_buffers
@@ -251,6 +254,9 @@ class Supervisor:
             self.doorbell = self._sem("bell")
             # rebuild from headers, then index: other areas first so our own copy wins a duplicate
             rep = scan_devices(cfg.devices, self.sbs, self.smap, self.slots)
+            for i, sv in enumerate(cfg.servers):
+                if sv.denied:  # a denied server's pages are never read
+                    self._forget_area(i)
             self.index = KeyIndex(entries, self.slots, init=True)
             self.index.rebuild()
             gens = [Generations(rep.max_gen[d][self.area]) for d in range(self.smap.n_devices)]
@@ -270,12 +276,9 @@ class Supervisor:
             self._mp = multiprocess.get_context("spawn")
             for w in self.workers:
                 self._spawn(w)
+            self.stats.set("config_generation", self.sbs[0].generation)
             if len(cfg.servers) > 1:
-                seg = self._segment("sync", SyncRings.nbytes())
-                self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
-                                     cfg.sync.delta_log_records, self.stats, on_change=self._on_merge,
-                                     on_hint=self._on_hint)
-                self._spawn_agent()
+                self._start_sync()
             me = cfg.servers[self.area]
             if me.metrics:
                 from .metrics import serve_metrics
@@ -296,6 +299,112 @@ class Supervisor:
         except BaseException:
             self.shutdown()
             raise
+
+    def _verify_devices(self, cfg: StoreConfig) -> list[Any]:
+        return [verify_device(p, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
+                              device_count=len(cfg.devices), servers=[s.name for s in cfg.servers],
+                              denied=cfg.denied)
+                for i, p in enumerate(cfg.devices)]
+
+    def _start_sync(self) -> None:
+        seg = self._segment("sync", SyncRings.nbytes())
+        self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
+                             self.cfg.sync.delta_log_records, self.stats, on_change=self._on_merge,
+                             on_hint=self._on_hint)
+        for i, sv in enumerate(self.cfg.servers):
+            self.sync.denied[i] = sv.denied
+        self._spawn_agent()
+
+    # ---- membership: allow / deny while running ------------------------------------------------
+    def _config_stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.cfg_path)
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _forget_area(self, area: int) -> int:
+        """Drop every page of ``area`` from this server's view (its server was denied).
+
+        Slots go back to EMPTY, generation 0: the index stops finding them at once, and
+        if the server is allowed again its own snapshot tells us what it holds. Reads
+        already in flight still validate the header against what they expected."""
+        n = 0
+        for d in range(self.smap.n_devices):
+            r = self.smap.area_gids(d, area)
+            part = self.slots[r.start:r.stop]
+            valid = np.nonzero(part["state"] == VALID)[0] + r.start
+            self._emit_removed(self._digests(valid))
+            n += len(valid)
+            part["state"] = EMPTY
+            part["gen"] = 0
+        return n
+
+    def _check_config(self, force: bool = False) -> None:
+        """Apply an allow/deny written to the store config (by mass-ctl, or copied from the admin host)."""
+        st = self._config_stat()
+        if st is None or (st == self._cfg_stat and not force):
+            return
+        self._cfg_stat = st
+        try:
+            new = load_store(self.cfg.name, self.home)
+            self._apply_config(new)
+        except (ValueError, KVStoreError, OSError) as e:
+            self.log.warning("store config changed but was not applied", error=str(e))
+
+    def _apply_config(self, new: StoreConfig) -> None:
+        old = self.cfg
+        for what in ("uuid", "page_size", "devices", "salt"):
+            if getattr(new, what) != getattr(old, what):
+                raise ValueError(f"the config's {what} changed: restart the service to use it")
+        names = [s.name for s in new.servers]
+        if names[:len(old.servers)] != [s.name for s in old.servers]:
+            raise ValueError("servers were removed or reordered (deny them instead; areas never shift)")
+        if new.servers == old.servers:
+            return
+        sbs = self._verify_devices(new)
+        if [[a.slot_count for a in sb.areas] for sb in sbs] != self.smap.counts:
+            raise ValueError("the devices' area layout changed: restart the service")
+        if new.servers[self.area].denied:
+            self.log.error("this server was denied on the store; stopping")
+            self.stop = True
+            return
+        dropped = 0
+        for i, sv in enumerate(new.servers):
+            was = old.servers[i].denied if i < len(old.servers) else False
+            if sv.denied and not was:
+                dropped += self._forget_area(i)
+                self.log.warning("server denied: its area is no longer read", denied=sv.name, area=i)
+            elif was and not sv.denied:
+                self.resnapshot.add(i)  # we forgot its pages; its deltas will not repeat them
+                self.log.info("server allowed again", allowed=sv.name, area=i)
+            elif i >= len(old.servers):
+                self.log.info("server allowed", allowed=sv.name, area=i)
+        self.cfg = new
+        self.sbs = sbs
+        self.stats.add("areas_dropped", dropped)
+        self.stats.add("config_reloads")
+        self.stats.set("config_generation", sbs[0].generation)
+        if self.sync is None:
+            if len(new.servers) > 1:
+                self._start_sync()
+            return
+        for i, sv in enumerate(new.servers):
+            self.sync.denied[i] = sv.denied
+        # the agent takes its peers and the keys it admits at spawn: replace it
+        self._stop_agent()
+        self._spawn_agent()
+
+    def _stop_agent(self) -> None:
+        if self.agent is None:
+            return
+        if self.agent.is_alive():
+            self.agent.terminate()
+        self.agent.join(5.0)
+        if self.agent.is_alive():
+            self.agent.kill()
+            self.agent.join(5.0)
+        self.agent = None
 
     def _spawn(self, w: WorkerSlot) -> None:
         cfg = self.cfg
@@ -344,14 +453,15 @@ class Supervisor:
         me = cfg.servers[self.area]
         public, secret = load_keypair(cfg.name, self.server, self.home)
         peers = tuple(Peer(s.name, i, *s.endpoints, s.public_key.encode())
-                      for i, s in enumerate(cfg.servers) if i != self.area)
+                      for i, s in enumerate(cfg.servers) if i != self.area and not s.denied)
         params = AgentParams(
             store=cfg.name, server=self.server, area=self.area, epoch=self.epoch, pub=me.endpoints[0],
             router=me.endpoints[1], public_key=public, secret_key=secret, peers=peers,
             counts=tuple(tuple(c) for c in self.smap.counts), page_size=cfg.page_size,
             sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=self.prefix + "bell",
             flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
-            heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s)
+            heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s,
+            snapshot_from=tuple(sorted(self.resnapshot)))
         self.agent = self._mp.Process(target=agent_main, args=(params,), daemon=True,
                                       name=f"kvstore-sync-{cfg.name}")
         self.agent.start()
@@ -779,7 +889,7 @@ class Supervisor:
 
     def run(self) -> None:
         """Serve until ``stop`` is set (SIGTERM/SIGINT), then shut down."""
-        last = last_full = 0.0
+        last = last_full = last_cfg = 0.0
         try:
             while not self.stop:
                 n = self._drain_completions() + self._serve_clients()
@@ -801,6 +911,10 @@ class Supervisor:
                     if self.events is not None:
                         self.events.tick()
                     self._check_workers()
+                    if now - last_cfg >= CONFIG_POLL_S or self._reload:
+                        last_cfg = now
+                        self._check_config(force=self._reload)
+                        self._reload = False
                     full = now - last_full >= 1.0
                     if full:
                         last_full = now
@@ -811,11 +925,15 @@ class Supervisor:
             self.shutdown()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop the loop cleanly."""
+        """SIGTERM and SIGINT stop the loop cleanly; SIGHUP re-reads the store config now."""
         def _stop(signum: int, frame: Any) -> None:
             self.stop = True
+
+        def _hup(signum: int, frame: Any) -> None:
+            self._reload = True
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGHUP, _hup)
 
     def shutdown(self) -> None:
         """Stop workers, disconnect clients, remove every segment, semaphore, socket and pid file."""
@@ -834,14 +952,7 @@ class Supervisor:
                 self.sock_path.unlink()
             except FileNotFoundError:
                 pass
-        if self.agent is not None:
-            if self.agent.is_alive():
-                self.agent.terminate()
-            self.agent.join(5.0)
-            if self.agent.is_alive():
-                self.agent.kill()
-                self.agent.join(5.0)
-            self.agent = None
+        self._stop_agent()
         for w in self.workers:
             if w.proc is not None and w.proc.is_alive():
                 w.proc.terminate()

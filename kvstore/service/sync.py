@@ -63,6 +63,8 @@ class SyncLink:
         self.answers: deque[_Answer] = deque()
         self.on_change = on_change
         self.on_hint = on_hint
+        self.denied = np.zeros(smap.n_areas, dtype=bool)
+        """Areas of denied servers: their registers are dropped, never merged."""
 
     def publish(self, updates: list[tuple[int, Any]]) -> None:
         """Record own registers, as captured when they changed, as updates and offer them to the agent.
@@ -110,6 +112,8 @@ class SyncLink:
         if not len(recs):
             return 0
         remote = recs[recs["kind"] == K_REMOTE]
+        if len(remote) and self.denied.any():
+            remote = remote[~self.denied[np.minimum(remote["area"], len(self.denied) - 1)]]
         if len(remote):
             regs = to_registers(remote)
             gids = gids_of(self.smap, regs)
@@ -124,6 +128,8 @@ class SyncLink:
                 self.index.index_slots(valid)
                 self.stats.add("sync_records_merged", len(changed))
         hints = recs[recs["kind"] == K_HINT]
+        if len(hints) and self.denied.any():
+            hints = hints[~self.denied[np.minimum(hints["peer"], len(self.denied) - 1)]]
         if len(hints) and self.on_hint is not None:
             regs = to_registers(hints)
             g = gids_of(self.smap, regs)

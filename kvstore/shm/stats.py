@@ -105,6 +105,12 @@ class ServiceCounters:
     """Sync agent restarts (supervisor)."""
     hints_received: int = 0
     """Hit hints from peers (slots of ours they read), which keep those pages from early eviction."""
+    config_generation: int = 0
+    """Superblock generation of the membership (allow/deny) the service runs with (gauge)."""
+    config_reloads: int = 0
+    """Membership changes (allow/deny) applied while running."""
+    areas_dropped: int = 0
+    """Valid pages forgotten because their server was denied."""
     started_ns: int = 0
     """Service start time, ns since the epoch."""
     heartbeat_ns: int = 0

@@ -8,13 +8,14 @@ never a stale page-cache copy.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import stat
 from collections.abc import Sequence
 
 from ..errors import CorruptPage, DeviceMismatch
-from .superblock import (COPY_OFFSETS, SUPERBLOCK_SIZE, Area, Superblock, plan_areas)
+from .superblock import (AREA_DENIED, COPY_OFFSETS, SUPERBLOCK_SIZE, Area, Superblock, plan_areas)
 
 
 def device_size(path: str) -> int:
@@ -97,7 +98,7 @@ def write_superblock(path: str, sb: Superblock) -> None:
 
 def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: int,
                   device_index: int, device_count: int, servers: Sequence[str],
-                  force: bool = False) -> Superblock:
+                  force: bool = False, areas: int | None = None, area_slots: int | None = None) -> Superblock:
     """Format one device of a store: plan its areas and write the superblock.
 
     Slot headers are not cleared: each carries the store UUID, device, area and
@@ -105,7 +106,7 @@ def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: i
 
     Raises:
         DeviceMismatch: the device holds another store's superblock and ``force`` is false.
-        ValueError: the device is too small for one slot per server.
+        ValueError: the device is too small for the areas (see ``plan_areas``).
     """
     size = device_size(path)
     try:
@@ -117,17 +118,18 @@ def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: i
             f"device {path} already belongs to store {old.store_name!r} "
             f"(uuid {old.store_uuid.hex()}); pass --force to reformat it and lose its pages"
         )
-    areas = plan_areas(size, page_size, list(servers))
+    layout = plan_areas(size, page_size, list(servers), areas, area_slots)
     sb = Superblock(store_uuid=store_uuid, store_name=store_name, generation=(old.generation + 1) if old else 1,
                     page_size=page_size, device_size=size, device_index=device_index,
-                    device_count=device_count, areas=areas)
+                    device_count=device_count, areas=layout)
     write_superblock(path, sb)
     return sb
 
 
 def verify_device(path: str, *, store_uuid: bytes, page_size: int, device_index: int,
-                  device_count: int, servers: Sequence[str]) -> Superblock:
-    """Open a store's device and check that its superblock matches the store config.
+                  device_count: int, servers: Sequence[str], denied: Sequence[str] = ()) -> Superblock:
+    """Open a store's device and check that its superblock matches the store config:
+    areas named after ``servers`` in order (then spare ones), ``denied`` flagged so.
 
     Raises:
         DeviceMismatch: with what differs and what to do.
@@ -144,13 +146,37 @@ def verify_device(path: str, *, store_uuid: bytes, page_size: int, device_index:
     if sb.page_size != page_size:
         raise DeviceMismatch(f"device {path} has page size {sb.page_size}, config says {page_size}")
     names = [a.server for a in sb.areas]
-    if names != list(servers):
-        raise DeviceMismatch(f"device {path} has areas for {names}, config lists servers {list(servers)}")
+    want = list(servers) + [""] * (len(names) - len(servers))
+    if names != want:
+        raise DeviceMismatch(f"device {path} has areas for {[n for n in names if n]}, config lists servers "
+                             f"{list(servers)}: is this host's copy of the store config current?")
+    flagged = sorted(a.server for a in sb.areas if a.denied)
+    if flagged != sorted(denied):
+        raise DeviceMismatch(f"device {path} marks {flagged or 'no server'} denied, config says "
+                             f"{sorted(denied) or 'none'}: is this host's copy of the store config current?")
     size = device_size(path)
     if size < sb.device_size:
         raise DeviceMismatch(f"device {path} shrank: {size} bytes, formatted with {sb.device_size}")
     return sb
 
 
-__all__ = ["Area", "device_size", "format_device", "open_direct", "read_superblock",
+def set_area(path: str, *, store_uuid: bytes, index: int, server: str, denied: bool) -> Superblock:
+    """Rewrite one area entry (``allow``: name a spare area; ``deny``: flag it) with the next generation.
+
+    Raises:
+        DeviceMismatch: the device is not this store's, or has no area ``index``.
+    """
+    sb = read_superblock(path)
+    if sb.store_uuid != store_uuid:
+        raise DeviceMismatch(f"device {path} belongs to store {sb.store_name!r}, not this one")
+    if not 0 <= index < len(sb.areas):
+        raise DeviceMismatch(f"device {path} has {len(sb.areas)} areas, no area {index}")
+    areas = list(sb.areas)
+    areas[index] = dataclasses.replace(areas[index], server=server, flags=AREA_DENIED if denied else 0)
+    new = dataclasses.replace(sb, generation=sb.generation + 1, areas=tuple(areas))
+    write_superblock(path, new)
+    return new
+
+
+__all__ = ["Area", "device_size", "format_device", "open_direct", "read_superblock", "set_area",
            "verify_device", "write_superblock"]

@@ -21,10 +21,10 @@ Layout (little-endian, 4096 bytes; docs/FORMAT.md "Superblock")::
    4088     8  checksum         xxh3_64 of bytes [0, 4088)
 
     area entry (64 bytes):
-      0    32  server_name      utf-8, NUL padded
+      0    32  server_name      utf-8, NUL padded; empty: a spare area for `allow`
      32     8  offset           u64, byte offset of the area's slot 0
      40     8  slot_count       u64
-     48     4  flags            u32, reserved (0)
+     48     4  flags            u32, bit 0 DENIED (its server was cut off; nobody reads it)
      52    12  reserved         zero
 
 Why two copies: a rewrite (generation g+1) writes copy A, syncs, then copy B.
@@ -48,6 +48,8 @@ SUPERBLOCK_SIZE = 4096
 COPY_OFFSETS = (0, 4096)
 DATA_OFFSET = 1 << 20
 MAX_AREAS = 48
+AREA_DENIED = 1
+AREA_FLAGS = AREA_DENIED
 
 HEAD_FMT = "<8sII16sQQQQIIII32s"
 AREA_FMT = "<32sQQI12x"
@@ -59,11 +61,25 @@ CHECKSUM_OFFSET = SUPERBLOCK_SIZE - 8
 
 @dataclass(frozen=True)
 class Area:
-    """One server's area on one device: ``slot_count`` slots starting at ``offset``."""
+    """One server's area on one device: ``slot_count`` slots starting at ``offset``.
+
+    ``server`` is empty for a spare area (reserved at create for a server allowed later);
+    ``flags & AREA_DENIED`` marks the area of a denied server."""
 
     server: str
     offset: int
     slot_count: int
+    flags: int = 0
+
+    @property
+    def spare(self) -> bool:
+        """No server owns this area yet."""
+        return not self.server
+
+    @property
+    def denied(self) -> bool:
+        """Its server was denied: its pages are not read."""
+        return bool(self.flags & AREA_DENIED)
 
 
 @dataclass(frozen=True)
@@ -97,7 +113,7 @@ class Superblock:
         )
         for i, a in enumerate(self.areas):
             struct.pack_into(AREA_FMT, buf, AREA_TABLE_OFFSET + i * AREA_SIZE,
-                             a.server.encode(), a.offset, a.slot_count, 0)
+                             a.server.encode(), a.offset, a.slot_count, a.flags)
         struct.pack_into("<Q", buf, CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:CHECKSUM_OFFSET])))
         return bytes(buf)
 
@@ -125,26 +141,46 @@ class Superblock:
             raise CorruptPage("superblock: field out of range")
         areas = []
         for i in range(n_areas):
-            sname, off, count, _flags = struct.unpack_from(AREA_FMT, data, AREA_TABLE_OFFSET + i * AREA_SIZE)
+            sname, off, count, flags = struct.unpack_from(AREA_FMT, data, AREA_TABLE_OFFSET + i * AREA_SIZE)
             if off % BLOCK or off + count * (BLOCK + page_size) > dev_size:
                 raise CorruptPage(f"superblock: area {i} lies outside the device")
-            areas.append(Area(sname.rstrip(b"\0").decode(errors="replace"), off, count))
+            if flags & ~AREA_FLAGS:
+                raise CorruptPage(f"superblock: area {i} has unknown flags {flags:#x}")
+            areas.append(Area(sname.rstrip(b"\0").decode(errors="replace"), off, count, flags))
         return cls(uuid, name.rstrip(b"\0").decode(errors="replace"), gen, page_size, dev_size,
                    dev_idx, dev_count, tuple(areas), data_off)
 
 
-def plan_areas(device_size: int, page_size: int, servers: list[str]) -> tuple[Area, ...]:
-    """Split a device equally into one area per server after the reserved first MiB.
+def plan_areas(device_size: int, page_size: int, servers: list[str], areas: int | None = None,
+               area_slots: int | None = None) -> tuple[Area, ...]:
+    """Lay out ``areas`` areas (default: one per server) after the reserved first MiB.
+
+    The first ``len(servers)`` areas are named after the servers, the rest are spare
+    (for ``mass-ctl kvcache allow``). Each area has ``area_slots`` slots, default the
+    device split equally.
 
     Raises:
-        ValueError: the device cannot hold at least one slot per server.
+        ValueError: too many areas, or the device cannot hold them with at least one slot each.
     """
+    n = len(servers) if areas is None else areas
+    if n < len(servers):
+        raise ValueError(f"{n} areas cannot hold {len(servers)} servers")
+    if n > MAX_AREAS:
+        raise ValueError(f"at most {MAX_AREAS} areas per device (servers plus spares), got {n}")
     slot = BLOCK + page_size
-    per = (device_size - DATA_OFFSET) // slot // max(1, len(servers)) if device_size > DATA_OFFSET else 0
-    if per < 1:
-        need = DATA_OFFSET + slot * len(servers)
+    room = (device_size - DATA_OFFSET) // slot if device_size > DATA_OFFSET else 0
+    per = room // max(1, n) if area_slots is None else area_slots
+    if per < 1 or per * n > room:
+        need = DATA_OFFSET + slot * n * max(1, area_slots or 1)
         raise ValueError(
-            f"device of {device_size} bytes is too small: {len(servers)} server(s) with "
-            f"{page_size}-byte pages need at least {need} bytes"
+            f"device of {device_size} bytes is too small: {n} area(s) of {max(1, area_slots or 1)} "
+            f"slot(s) of {page_size}-byte pages need at least {need} bytes"
         )
-    return tuple(Area(s, DATA_OFFSET + i * per * slot, per) for i, s in enumerate(servers))
+    names = list(servers) + [""] * (n - len(servers))
+    return tuple(Area(s, DATA_OFFSET + i * per * slot, per) for i, s in enumerate(names))
+
+
+def areas_that_fit(device_size: int, page_size: int, area_slots: int) -> int:
+    """How many areas of ``area_slots`` slots fit on a device (at most ``MAX_AREAS``)."""
+    room = (device_size - DATA_OFFSET) // (BLOCK + page_size) if device_size > DATA_OFFSET else 0
+    return min(MAX_AREAS, room // max(1, area_slots))
