@@ -103,6 +103,9 @@ def test_quickstart_runs_and_leaves_nothing(home: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "wrong pages: 0" in r.stdout
     assert "hit rate" in r.stdout and "GB/s" in r.stdout
+    # gpu-a starts cold; gpu-b, the other server, loads the documents gpu-a saved
+    assert "on gpu-a, nothing stored yet: 0 of 160 pages loaded, 160 computed" in r.stdout, r.stdout
+    assert "on gpu-b, saved by gpu-a:     128 of 160 pages loaded" in r.stdout, r.stdout
     assert set(os.listdir("/dev/shm")) <= before
 
 
