@@ -759,7 +759,7 @@ class Supervisor:
         if op.op == OP_READ:
             self.alloc.unpin(op.gid)
             if status == ST_OK:
-                ch.results[op.index] = P.R_HIT
+                ch.results[op.index] = P.R_HIT  # gets are answered only once all their reads completed
                 ch.lengths[op.index] = op.length
                 if not self.local[op.gid] and len(self.hints) < 4096:
                     self.hints.append(op.gid)
@@ -792,12 +792,14 @@ class Supervisor:
                 self.index.insert(op.words, op.gid)
                 self._note(op.gid)
                 self._emit_stored([op.gid])
-                ch.results[op.index] = P.R_STORED
+                if not req.responded:  # a put without wait was answered already: the channel
+                    ch.results[op.index] = P.R_STORED  # belongs to the client's next call now
                 self.stats.add("pages_written")
                 self.stats.add("bytes_written", op.length)
             else:
                 self.alloc.abandon(op.gid, op.device)
-                ch.results[op.index] = P.R_DROPPED
+                if not req.responded:
+                    ch.results[op.index] = P.R_DROPPED
                 self.stats.add("put_dropped")
                 self.stats.add("io_errors")
             if op.buf not in req.quarantined:

@@ -218,3 +218,26 @@ def test_bad_input_gets_clear_errors(file_devices, home: Path, services) -> None
     services(home, "bad")
     with KVCacheClient.connect("bad", home=home) as c:
         assert c.lookup(ks) == 20
+
+
+def test_writes_finishing_after_an_unwaited_put_do_not_touch_the_next_call(home: Path, file_devices,  # type: ignore[no-untyped-def]
+                                                                           services) -> None:
+    """A put without wait is answered at once; its writes complete later, during the client's next
+    calls on the same connection, and must not overwrite those calls' results (a lost hit)."""
+    ps = 256 << 10  # slow enough writes to still be finishing during the next calls
+    devs = file_devices.make(2, (1 << 20) + 600 * (4096 + ps))
+    make_store(home, "s", devs, ps)
+    services(home, "s")
+    with KVCacheClient.connect("s", home=home) as c:
+        stored = keys_of("stored", 16)
+        assert c.put(stored, [page_bytes(k, ps) for k in stored], wait=True).stored == len(stored)
+        lost = 0
+        for r in range(100):
+            fresh = keys_of(f"fresh{r}", 4)
+            c.put(fresh, [page_bytes(k, ps) for k in fresh])  # answered before its writes finish
+            assert c.lookup(stored) == len(stored)
+            with c.get(stored) as b:
+                h, m, w = check_batch(stored, b)
+            assert w == 0
+            lost += m
+        assert lost == 0, f"{lost} hits reported as misses"
