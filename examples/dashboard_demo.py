@@ -17,29 +17,42 @@ from kvstore.tui.source import CannedSource
 def snapshot(step: int) -> dict:
     def server(pid: int, hits: int, dev: int) -> dict:
         lat = Histogram(tuple([0] * 8 + [20 + step, 40, 5] + [0] * 21))
-        sv = ServiceCounters(hits=hits * step, misses=10 * step, bytes_read=hits * step << 20,
-                             bytes_written=12 * step << 20, own_slots=4096, own_slots_valid=min(4096, 900 * step),
+        # uneven traffic (so the sparklines move), counters only ever grow
+        h = sum(hits * (3 + i * i % 7) // 4 for i in range(1, step + 1))
+        m = sum(10 + 4 * (i * i % 5) for i in range(1, step + 1))
+        w = sum(12 + 3 * (i * i % 7) for i in range(1, step + 1))
+        sv = ServiceCounters(hits=h, misses=m, bytes_read=h << 20, bytes_written=w << 20, own_slots=4096, own_slots_valid=min(4096, 900 * step),
                              slots_total=8192, slots_valid=min(8192, 1700 * step), clients_connected=3,
                              evictions=40 * step, sync_records_sent=800 * step, sync_records_received=760 * step,
                              sync_records_merged=700 * step, hints_received=55 * step)
         devs = tuple(DeviceCounters(reads=hits * step + d, writes=6 * step, reads_inflight=d, writes_queued=2)
                      for d in range(dev))
         st = StoreStatistics(sv, devs, lat, tuple(lat for _ in range(dev)), tuple(lat for _ in range(dev)))
+        peer = "gpu02" if pid == 4242 else "gpu01"
         return {"running": True, "pid": pid, "stats": dataclasses.asdict(st),
-                "tenants": {"": {"slots": 600 * step}, "team-a": {"slots": 300 * step}}}
+                "tenants": {"": {"slots": 600 * step}, "team-a": {"slots": 300 * step}},
+                "peers": {peer: {"heard_s": 0.2, "behind": 3 * (step % 2), "catching_up": False},
+                          "gpu03": {"heard_s": None, "behind": 0, "catching_up": False}},
+                "warnings": [{"timestamp": "2026-12-02T10:41:07.120Z", "level": "warning",
+                              "event": "page failed validation; location dropped", "gid": 1812,
+                              "reason": "checksum"}] if pid == 4343 else []}
 
     return {"gpu01": server(4242, 90, 2), "gpu02": server(4343, 60, 2),
-            "gpu03": {"running": False, "pid": None, "stats": None, "tenants": {}}}
+            "gpu03": {"running": False, "pid": None, "stats": None, "tenants": {}, "peers": {}, "warnings": []}}
 
 
-def app() -> DashboardApp:
-    return DashboardApp(CannedSource("demo", [snapshot(i) for i in range(1, 5)]), interval=1.0)
+def app(clock: str | None = None) -> DashboardApp:
+    """The demo app; ``clock`` fixes the time shown (for screenshots and snapshot tests)."""
+    if clock is None:
+        return DashboardApp(CannedSource("demo", [snapshot(i) for i in range(1, 16)]), interval=1.0)
+    return DashboardApp(CannedSource("demo", [snapshot(i) for i in range(1, 16)]), interval=3600,
+                        clock=lambda: clock)
 
 
 async def svg(path: Path) -> None:
-    a = app()
+    a = app(clock="10:41:09")
     async with a.run_test(size=(120, 36)) as pilot:
-        for _ in range(3):
+        for _ in range(12):
             await pilot.press("r")
         a.save_screenshot(str(path.name), str(path.parent))
 

@@ -282,7 +282,7 @@ def cmd_connect(a: argparse.Namespace) -> int:
         print(f"service of store {cfg.name} as server {server} runs as pid {p.pid}; log {logp}; "
               f"stop it with 'mass-ctl kvcache disconnect {cfg.name} --server {server}'")
         return EXIT_OK
-    configure_logging()
+    configure_logging(store=cfg.name, server=server, component="supervisor")
     serve(cfg, server)
     return EXIT_OK
 
@@ -307,9 +307,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def _status_once(a: argparse.Namespace) -> int:
-    from .shm.segment import Segment, name_prefix, pid_alive
-    from .shm.board import Board
-    from .shm.stats import StatsBlock
+    from .tui.source import read_service
 
     home = mass_home()
     cfg = load_store(a.store, home)
@@ -317,21 +315,8 @@ def _status_once(a: argparse.Namespace) -> int:
     out: dict[str, Any] = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size,
                            "devices": list(cfg.devices), "servers": {}}
     for name in servers:
-        cfg.server_index(name)
-        pidf = run_dir(cfg.name, home) / f"{name}.pid"
-        pid = int(pidf.read_text()) if pidf.exists() else 0
-        entry: dict[str, Any] = {"running": bool(pid and pid_alive(pid)), "pid": pid or None}
-        if entry["running"]:
-            try:
-                seg = Segment.attach(name_prefix(home, cfg.name, name) + "stats")
-                st = StatsBlock.attach(seg.buf).snapshot()
-                entry["stats"] = dataclasses.asdict(st)
-                del st
-                board = Segment.attach(name_prefix(home, cfg.name, name) + "board")
-                entry["tenants"] = (Board(board.buf).read() or {}).get("tenants", {})
-            except Exception as exc:  # a service between start and ready
-                entry["stats_error"] = str(exc)
-        out["servers"][name] = entry
+        i = cfg.server_index(name)
+        out["servers"][name] = {"denied": cfg.servers[i].denied, **read_service(home, cfg.name, name)}
     if a.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
@@ -340,9 +325,9 @@ def _status_once(a: argparse.Namespace) -> int:
         print(f"  device {i}: {d}")
     for name, srv in out["servers"].items():
         if not srv["running"]:
-            print(f"server {name}: not running")
+            print(f"server {name}: {'DENIED, ' if srv['denied'] else ''}not running")
             continue
-        sv = srv.get("stats", {}).get("service", {})
+        sv = (srv.get("stats") or {}).get("service", {})
         gets = sv.get("hits", 0) + sv.get("misses", 0)
         hr = sv.get("hits", 0) / gets if gets else 0.0
         print(f"server {name}: running (pid {srv['pid']})")
@@ -359,6 +344,15 @@ def _status_once(a: argparse.Namespace) -> int:
             q = "unlimited" if u["quota"] is None else u["quota"]
             print(f"  tenant {t or '(default)'}: {u['slots']} slots (quota {q}), "
                   f"{u['pinned']} pinned (pin quota {u['pin_quota']})")
+        for p, lag in sorted(srv.get("peers", {}).items()):
+            heard = "never heard" if lag["heard_s"] is None else f"heard {lag['heard_s']:.1f} s ago"
+            print(f"  peer {p}: {heard}, {lag['behind']} updates behind"
+                  + (", catching up" if lag["catching_up"] else ""))
+        for w in srv.get("warnings", [])[-3:]:
+            extra = ", ".join(f"{k}={v}" for k, v in w.items()
+                              if k not in ("event", "level", "timestamp", "store", "server"))
+            print(f"  {w.get('level', 'warning')} {str(w.get('timestamp', ''))[11:19]} {w.get('event')}"
+                  + (f" ({extra})" if extra else ""))
     return EXIT_OK
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import structlog
 import zmq
 
+from ..shm.board import Board
 from ..shm.segment import Segment, attach_semaphore
 from ..shm.slots import SlotMap
 from ..shm.stats import StatsBlock
@@ -75,6 +76,8 @@ class AgentParams:
     flush_records: int
     heartbeat_s: float
     request_timeout_s: float
+    peers_board: str = ""
+    """Shared-memory notice board where the agent publishes each peer's lag and its own warnings."""
     snapshot_from: tuple[int, ...] = ()
     """Areas of peers whose pages the supervisor forgot (denied, then allowed again): ask each
     for a snapshot at first contact, since its delta stream alone would not repeat them."""
@@ -88,6 +91,10 @@ class PeerState:
     next: int = 0
     requested_at: float = 0.0
     outstanding: bool = False
+    heard_at: float = 0.0
+    """monotonic time of the last valid message from the peer (0: never)."""
+    announced: int = 0
+    """The highest sequence number the peer said it has published (its deltas and heartbeats)."""
     answer: list[np.ndarray[Any, Any]] = field(default_factory=list)
 
 
@@ -126,6 +133,8 @@ class Agent:
         self.sock_peer.update({id(s): a for a, s in self.dealers.items()})
         self.parent = os.getppid()
         self.want_snapshot = set(p.snapshot_from) & set(self.state)
+        self.board_seg = Segment.attach(p.peers_board) if p.peers_board else None
+        self.board = Board(self.board_seg.buf) if self.board_seg is not None else None
 
     # ---- to the supervisor ---------------------------------------------------------------------
     def _to_supervisor(self, recs: np.ndarray[Any, Any]) -> bool:
@@ -164,13 +173,16 @@ class Agent:
             log.warning("dropped a bad peer message", peer=peer, reason=str(e))
             return
         st = self.state[peer]
+        st.heard_at = now
         if m.kind == "d":
             if m.epoch != st.epoch:  # the peer restarted (or we just joined): catch up from its start
                 st.epoch, st.next = m.epoch, 0
                 st.outstanding = False
+                st.announced = 0
             if not self._accept(peer, m.records):
                 self._request(peer, now)
                 return
+            st.announced = max(st.announced, m.seq + len(m.records))
             if m.seq <= st.next:
                 st.next = max(st.next, m.seq + len(m.records))
             else:
@@ -179,6 +191,8 @@ class Agent:
             if m.epoch != st.epoch:
                 st.epoch, st.next = m.epoch, 0
                 st.outstanding = False
+                st.announced = 0
+            st.announced = max(st.announced, m.seq)
             if m.seq > st.next or peer in self.want_snapshot:
                 self._request(peer, now)
         elif m.kind == "a":
@@ -307,21 +321,39 @@ class Agent:
                 for peer, st in self.state.items():
                     if st.outstanding and now - st.requested_at > self.p.request_timeout_s:
                         self._request(peer, now, force=True)
+                self._publish_board(now)
             if now - last_parent_check > 0.5:
                 last_parent_check = now
                 if os.getppid() != self.parent:
                     break
 
+    def _publish_board(self, now: float) -> None:
+        """Each peer's lag (seconds since we last heard it, updates it announced that we lack) and
+        this process's recent warnings, for ``status`` and the dashboard."""
+        if self.board is None:
+            return
+        from ..logging import recent_warnings
+
+        peers = {x.name: {"heard_s": round(now - self.state[x.area].heard_at, 3)
+                          if self.state[x.area].heard_at else None,
+                          "behind": max(0, self.state[x.area].announced - self.state[x.area].next),
+                          "catching_up": self.state[x.area].outstanding}
+                 for x in self.p.peers}
+        self.board.write({"peers": peers, "warnings": recent_warnings()[-10:]})
+
     def close(self) -> None:
         """Close sockets and mappings."""
         self.t.close()
+        self.board = None
+        if self.board_seg is not None:
+            self.board_seg.close()
 
 
 def agent_main(p: AgentParams) -> None:
     """Process entry point (spawned by the supervisor)."""
     from ..logging import configure_logging
 
-    configure_logging()
+    configure_logging(store=p.store, server=p.server, component="sync")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     a = Agent(p)
 
@@ -329,7 +361,7 @@ def agent_main(p: AgentParams) -> None:
         a.stop = True
 
     signal.signal(signal.SIGTERM, _term)
-    log.info("sync agent started", store=p.store, server=p.server, peers=len(p.peers))
+    log.info("sync agent started", peers=len(p.peers))
     try:
         a.run()
     finally:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import xxhash
 
 from ..shm.arena import Arena
@@ -61,6 +62,8 @@ class WorkerParams:
     read_depth: int
     max_inflight_writes: int
     direct: bool = True
+    store: str = ""
+    server: str = ""
 
 
 class Worker:
@@ -233,8 +236,13 @@ def _digest(r: Any) -> bytes:
 
 def worker_main(p: WorkerParams) -> None:
     """Process entry point (spawned by the supervisor)."""
+    from ..logging import configure_logging
+
+    configure_logging(store=p.store, server=p.server, component=f"io{p.device_index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
     w = Worker(p)
+    structlog.get_logger(__name__).info("I/O worker started", device=p.device_index, path=p.device_path,
+                                        pid=os.getpid())
 
     def _term(signum: int, frame: Any) -> None:
         w.stop = True

@@ -39,6 +39,7 @@ import structlog
 
 from ..config import StoreConfig, load_store, mass_home, run_dir, store_path
 from ..errors import AlreadyRunning, KVStoreError
+from ..logging import recent_warnings
 from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_IO_ERROR, ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
 from ..crdt.agent import AgentParams, Peer, agent_main
@@ -307,6 +308,7 @@ class Supervisor:
                 for i, p in enumerate(cfg.devices)]
 
     def _start_sync(self) -> None:
+        self._segment("peers", BOARD_BYTES)
         seg = self._segment("sync", SyncRings.nbytes())
         self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
                              self.cfg.sync.delta_log_records, self.stats, on_change=self._on_merge,
@@ -413,7 +415,8 @@ class Supervisor:
             arena_name=self.prefix + "arena", arena_count=self.arena_count, control_name=self.prefix + "control",
             states_offset=self.states_off, worker_segment=self.prefix + f"w{w.device}",
             stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=w.wake_name,
-            read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes)
+            read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes,
+            store=cfg.name, server=self.server)
         w.proc = self._mp.Process(target=worker_main, args=(params,), daemon=True,
                                   name=f"kvstore-io-{cfg.name}-{w.device}")
         w.proc.start()
@@ -461,7 +464,7 @@ class Supervisor:
             sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=self.prefix + "bell",
             flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
             heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s,
-            snapshot_from=tuple(sorted(self.resnapshot)))
+            snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.prefix + "peers")
         self.agent = self._mp.Process(target=agent_main, args=(params,), daemon=True,
                                       name=f"kvstore-sync-{cfg.name}")
         self.agent.start()
@@ -885,9 +888,10 @@ class Supervisor:
             tenants[name] = {"slots": self.alloc.used_by.get(tid, 0), "quota": self.cfg.quota_for(name),
                              "pinned": len(self.alloc.pinned_by.get(tid, ())),
                              "pin_quota": self.cfg.pin_quota_for(name, own)}
-        if tenants != getattr(self, "_last_board", None):
-            self.board.write({"tenants": tenants})
-            self._last_board = tenants
+        board = {"tenants": tenants, "warnings": recent_warnings()[-10:]}
+        if board != getattr(self, "_last_board", None):
+            self.board.write(board)
+            self._last_board = board
 
     def run(self) -> None:
         """Serve until ``stop`` is set (SIGTERM/SIGINT), then shut down."""

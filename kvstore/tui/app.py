@@ -7,6 +7,7 @@ never slows the data path.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from textual.app import App, ComposeResult
@@ -20,13 +21,16 @@ from .widgets.devices import DevicesTable
 from .widgets.servers import ServersTable
 from .widgets.sync import SyncTable
 from .widgets.trend import Trend
+from .widgets.warnings import WarningsPanel
 
 HELP = """kvstore dashboard
 
   servers   capacity (own slots used / total), hit rate, bytes, faults
   devices   queue depths (in flight + queued) and latency percentiles
   trend     hit rate and bytes per refresh
-  sync      updates exchanged with peers, hit hints, tenants
+  sync      updates exchanged with peers, peer lag (seconds since
+            heard / updates behind), hit hints, tenants
+  warnings  the newest warnings from the services' logs
 
   r  refresh now        p  pause / resume
   tab  next table       ?  this help        q  quit
@@ -50,9 +54,12 @@ class DashboardApp(App[None]):
     BINDINGS = [Binding("q", "quit", "quit"), Binding("r", "refresh", "refresh"),
                 Binding("p", "pause", "pause"), Binding("question_mark", "help", "help")]
 
-    def __init__(self, source: StatsSource, interval: float = 1.0) -> None:
+    def __init__(self, source: StatsSource, interval: float = 1.0,
+                 clock: Callable[[], str] = lambda: time.strftime("%H:%M:%S")) -> None:
+        """``clock`` gives the "updated" time shown (fixed in snapshot tests)."""
         super().__init__()
         self.source = source
+        self.clock = clock
         self.interval = interval
         self.paused = False
         self.refreshes = 0
@@ -66,6 +73,7 @@ class DashboardApp(App[None]):
             yield DevicesTable(id="devices")
             yield Trend(id="trend")
         yield SyncTable(id="sync")
+        yield WarningsPanel("", id="warnings")
         yield Static("", id="status")
         yield Footer()
 
@@ -84,11 +92,12 @@ class DashboardApp(App[None]):
         self.query_one(DevicesTable).show(snap)
         self.query_one(Trend).show(snap)
         self.query_one(SyncTable).show(snap)
+        self.query_one(WarningsPanel).show(snap)
         self.refreshes += 1
         up = sum(1 for e in snap.values() if e["running"])
         state = "paused" if self.paused else "live"
         self.query_one("#status", Static).update(
-            f"{up}/{len(snap)} servers up  ·  {state}  ·  updated {time.strftime('%H:%M:%S')}  ·  ? help")
+            f"{up}/{len(snap)} servers up  ·  {state}  ·  updated {self.clock()}  ·  ? help")
 
     def action_pause(self) -> None:
         """Stop or resume the periodic refresh."""

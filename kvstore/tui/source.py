@@ -14,15 +14,51 @@ from ..shm.stats import StatsBlock
 
 class StatsSource(Protocol):
     """Returns, per server of the store, ``{"running": bool, "pid": int | None, "stats": <StoreStatistics as
-    a dict> | None, "tenants": {...}}`` (the shape of ``mass-ctl kvcache status --json``)."""
+    a dict> | None, "tenants": {...}, "peers": {name: {"heard_s", "behind", "catching_up"}}, "warnings":
+    [...]}`` (the shape of ``mass-ctl kvcache status --json``)."""
 
     store: str
 
     def snapshot(self) -> dict[str, dict[str, Any]]: ...
 
 
+def read_service(home: Path, store: str, server: str) -> dict[str, Any]:
+    """One server's entry: pid, statistics, tenants, peers' sync lag and recent warnings."""
+    pidf = run_dir(store, home) / f"{server}.pid"
+    try:
+        pid = int(pidf.read_text())
+    except (FileNotFoundError, ValueError):
+        pid = 0
+    entry: dict[str, Any] = {"running": bool(pid and pid_alive(pid)), "pid": pid or None,
+                             "stats": None, "tenants": {}, "peers": {}, "warnings": []}
+    if not entry["running"]:
+        return entry
+    prefix = name_prefix(home, store, server)
+    try:
+        seg = Segment.attach(prefix + "stats")
+        entry["stats"] = dataclasses.asdict(StatsBlock.attach(seg.buf).snapshot())
+        seg.close()
+        seg = Segment.attach(prefix + "board")
+        board = Board(seg.buf).read() or {}
+        seg.close()
+        entry["tenants"] = board.get("tenants", {})
+        warnings = list(board.get("warnings", []))
+    except Exception:  # a service starting or stopping: shown as running without stats
+        return entry
+    try:  # the sync agent's board: only in a store of several servers
+        seg = Segment.attach(prefix + "peers")
+        peers = Board(seg.buf).read() or {}
+        seg.close()
+        entry["peers"] = peers.get("peers", {})
+        warnings += peers.get("warnings", [])
+    except Exception:
+        pass
+    entry["warnings"] = sorted(warnings, key=lambda w: str(w.get("timestamp", "")))[-10:]
+    return entry
+
+
 class LiveSource:
-    """Reads the stats block and notice board of every service of the store running on this machine."""
+    """Reads the stats block and notice boards of every service of the store running on this machine."""
 
     def __init__(self, store: str, home: Path | None = None) -> None:
         self.home = home or mass_home()
@@ -30,28 +66,7 @@ class LiveSource:
         self.store = store
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        for s in self.cfg.servers:
-            pidf = run_dir(self.store, self.home) / f"{s.name}.pid"
-            try:
-                pid = int(pidf.read_text())
-            except (FileNotFoundError, ValueError):
-                pid = 0
-            entry: dict[str, Any] = {"running": bool(pid and pid_alive(pid)), "pid": pid or None,
-                                     "stats": None, "tenants": {}}
-            if entry["running"]:
-                prefix = name_prefix(self.home, self.store, s.name)
-                try:
-                    seg = Segment.attach(prefix + "stats")
-                    entry["stats"] = dataclasses.asdict(StatsBlock.attach(seg.buf).snapshot())
-                    seg.close()
-                    board = Segment.attach(prefix + "board")
-                    entry["tenants"] = (Board(board.buf).read() or {}).get("tenants", {})
-                    board.close()
-                except Exception:  # a service starting or stopping: shown as running without stats
-                    pass
-            out[s.name] = entry
-        return out
+        return {s.name: read_service(self.home, self.store, s.name) for s in self.cfg.servers}
 
 
 class CannedSource:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from kvstore.testing import make_store
 from kvstore.tui.app import DashboardApp, HelpScreen
 from kvstore.tui.source import CannedSource, LiveSource
 from kvstore.tui.widgets.servers import ServersTable
+from kvstore.tui.widgets.sync import SyncTable
+from kvstore.tui.widgets.warnings import WarningsPanel
 
 
 def stats(hits: int, misses: int, read: int) -> dict[str, Any]:
@@ -24,9 +27,15 @@ def stats(hits: int, misses: int, read: int) -> dict[str, Any]:
     return dataclasses.asdict(s)
 
 
+WARN = {"timestamp": "2026-12-02T10:00:01Z", "level": "warning", "event": "I/O worker lost; restarting",
+        "device": 1}
+
+
 def canned() -> CannedSource:
-    snaps = [{"a": {"running": True, "pid": 11, "stats": stats(h, 10, h << 20), "tenants": {"": {"slots": 40}}},
-              "b": {"running": False, "pid": None, "stats": None, "tenants": {}}} for h in (10, 30, 90)]
+    snaps = [{"a": {"running": True, "pid": 11, "stats": stats(h, 10, h << 20), "tenants": {"": {"slots": 40}},
+                    "peers": {"b": {"heard_s": 1.25, "behind": 7, "catching_up": True}}, "warnings": [WARN]},
+              "b": {"running": False, "pid": None, "stats": None, "tenants": {}, "peers": {}, "warnings": []}}
+             for h in (10, 30, 90)]
     return CannedSource("demo", snaps)
 
 
@@ -49,6 +58,9 @@ async def test_keys_screens_and_values(size: tuple[int, int]) -> None:
         assert app.paused
         status = str(app.query_one("#status").render())
         assert "1/2 servers up" in status and "paused" in status
+        assert app.query_one(SyncTable).get_row_at(0)[5] == "b 1.2/7"
+        assert str(app.query_one(WarningsPanel).render()) == \
+            "10:00:01 a warning: I/O worker lost; restarting (device=1)"
         await pilot.press("q")
     assert app.return_code == 0
 
@@ -70,3 +82,33 @@ async def test_live_source_shows_what_the_service_holds(home: Path, file_devices
     async with app.run_test(size=(80, 24)):
         row = app.query_one(ServersTable).get_row("local")
         assert row[4] == "50.0%" and row[6] == "32.0 KiB"
+
+
+async def test_live_peers_lag_and_warnings(home: Path, file_devices: Any, services: Any) -> None:
+    import socket
+
+    from kvstore.testing import free_port_pair, wait_for
+
+    ps = 16 << 10
+    devs = file_devices.make(1, (1 << 20) + 2 * 64 * (4096 + ps))
+    make_store(home, "d", devs, ps, [f"a=127.0.0.1:{free_port_pair()}", f"b=127.0.0.1:{free_port_pair()}"])
+    sa = services(home, "d", "a")
+    services(home, "d", "b")
+    with socket.socket(socket.AF_UNIX) as s:  # a client that says nonsense: the service logs a warning
+        s.connect(str(sa.sock))
+        s.sendall(b"not a hello" * 10)
+    src = LiveSource("d", home)
+    assert wait_for(lambda: src.snapshot()["a"]["peers"].get("b", {}).get("heard_s") is not None)
+    assert wait_for(lambda: any(w["event"] == "client hello failed" for w in src.snapshot()["a"]["warnings"]))
+    snap = src.snapshot()
+    w = next(w for w in snap["a"]["warnings"] if w["event"] == "client hello failed")
+    assert w["store"] == "d" and w["server"] == "a" and w["level"] == "warning"
+    assert snap["a"]["peers"]["b"]["heard_s"] < 5 and snap["a"]["peers"]["b"]["behind"] == 0
+    app = DashboardApp(src, interval=60)
+    async with app.run_test(size=(160, 48)):
+        assert app.query_one(SyncTable).get_row_at(0)[5].startswith("b ")
+        assert "client hello failed" in str(app.query_one(WarningsPanel).render())
+    # every line of the service's log names its store and server, workers' and agent's too
+    lines = [json.loads(x) for x in sa.log.read_text().splitlines() if x.startswith("{")]
+    assert {x.get("component") for x in lines} >= {"supervisor", "sync", "io0"}
+    assert all(x["store"] == "d" and x["server"] == "a" for x in lines)

@@ -9,6 +9,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, Sparkline
 
+from ..._units import format_size
+
 
 class Trend(Vertical):
     """Keeps the last ``width`` refreshes of the store-wide hit rate and read/write rates."""
@@ -23,8 +25,9 @@ class Trend(Vertical):
     def compose(self) -> ComposeResult:
         yield Label("hit rate", id="hits-label")
         yield Sparkline(list(self.hits), id="hits")
-        yield Label("read / written per refresh", id="bytes-label")
+        yield Label("read per refresh", id="read-label")
         yield Sparkline(list(self.read), id="read")
+        yield Label("written per refresh", id="written-label")
         yield Sparkline(list(self.written), id="written")
 
     def show(self, snap: dict[str, dict[str, Any]]) -> None:
@@ -40,7 +43,10 @@ class Trend(Vertical):
         if self._last is not None:
             h0, m0, r0, w0 = self._last
             dh, dm = hits - h0, misses - m0
-            self.hits.append(dh / (dh + dm) if dh + dm else (self.hits[-1] if self.hits else 0.0))
+            if dh < 0 or dm < 0 or dh + dm == 0:  # nothing asked, or a service restarted (counters reset)
+                self.hits.append(self.hits[-1] if self.hits else 0.0)
+            else:
+                self.hits.append(dh / (dh + dm))
             self.read.append(float(max(0, rb - r0)))
             self.written.append(float(max(0, wb - w0)))
         self._last = (hits, misses, rb, wb)
@@ -48,3 +54,6 @@ class Trend(Vertical):
         self.query_one("#read", Sparkline).data = list(self.read)
         self.query_one("#written", Sparkline).data = list(self.written)
         self.query_one("#hits-label", Label).update(f"hit rate (now {self.hits[-1]:.0%})")
+        self.query_one("#read-label", Label).update(f"read per refresh (now {format_size(int(self.read[-1]))})")
+        self.query_one("#written-label", Label).update(
+            f"written per refresh (now {format_size(int(self.written[-1]))})")
