@@ -25,7 +25,8 @@ def snapshot(step: int) -> dict:
                              slots_total=8192, slots_valid=min(8192, 1700 * step), clients_connected=3,
                              evictions=40 * step, sync_records_sent=800 * step, sync_records_received=760 * step,
                              sync_records_merged=700 * step, hints_received=55 * step)
-        devs = tuple(DeviceCounters(reads=hits * step + d, writes=6 * step, reads_inflight=d, writes_queued=2)
+        devs = tuple(DeviceCounters(reads=hits * step + d, writes=6 * step, reads_inflight=d, writes_queued=2,
+                                    own_slots=2048, own_slots_valid=min(2048, (450 + 20 * d) * step))
                      for d in range(dev))
         st = StoreStatistics(sv, devs, lat, tuple(lat for _ in range(dev)), tuple(lat for _ in range(dev)))
         peer = "gpu02" if pid == 4242 else "gpu01"

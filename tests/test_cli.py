@@ -192,3 +192,29 @@ def test_allow_and_deny_without_running_services(env_home: Path, capsys: pytest.
                                                       if s.name == "x" else s for s in cfg.servers)))
     assert main(["kvcache", "allow", "s", "z=127.0.0.1:7004"]) == 4
     assert "marks ['x'] denied" in capsys.readouterr().err
+
+
+def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -> None:
+    assert create(env_home, "s1") == 0
+    # the device was reformatted for another store since: connect says so and starts nothing
+    assert main(["kvcache", "create", "s2", "--device", str(env_home / "s1.img"), "--page-size", "64KiB",
+                 "--server", "local", "--force"]) == 0
+    r = run(env_home, "kvcache", "connect", "s1")
+    assert r.returncode == 4 and "belongs to store 's2'" in r.stderr
+    assert not (env_home / "run" / "s1" / "local.pid").exists()
+    r = run(env_home, "kvcache", "connect", "s1", "--daemon")
+    assert r.returncode == 4 and "exited with code 4" in r.stderr
+    # a device that went missing
+    assert create(env_home, "s3") == 0
+    os.unlink(env_home / "s3.img")
+    r = run(env_home, "kvcache", "connect", "s3")
+    assert r.returncode == 4 and "does not exist" in r.stderr
+    for sub in (["dashboard", "nope"], ["disconnect", "nope"], ["allow", "nope", "x"], ["deny", "nope", "x"],
+                ["show", "nope"], ["status", "nope", "--watch", "--count", "1"]):
+        r = run(env_home, "kvcache", *sub)
+        assert r.returncode == 3 and "store 'nope' not found" in r.stderr, sub
+    # every subcommand explains itself
+    for sub in ("create", "connect", "allow", "deny", "status", "dashboard", "list", "show", "disconnect",
+                "quickstart"):
+        r = run(env_home, "kvcache", sub, "--help")
+        assert r.returncode == 0 and "usage: mass-ctl kvcache " + sub in r.stdout, sub

@@ -69,6 +69,8 @@ DEVICE_GAUGES = {
     "writes_inflight": ("device_writes_inflight", "Writes outstanding in the device"),
     "reads_queued": ("device_reads_queued", "Reads waiting in the worker's ring"),
     "writes_queued": ("device_writes_queued", "Writes waiting in the worker's ring"),
+    "own_slots": ("device_own_slots", "Slots of this server's area on the device"),
+    "own_slots_valid": ("device_own_valid_slots", "Of those, slots holding a valid page"),
 }
 
 

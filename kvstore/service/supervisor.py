@@ -881,6 +881,9 @@ class Supervisor:
         s.set("slots_total", self.smap.total)
         s.set("slots_valid", int(np.count_nonzero(st == VALID)))
         s.set("own_slots", sum(len(r) for r in self.own))
+        for d, r in enumerate(self.own):
+            s.dev_set(d, "own_slots", len(r))
+            s.dev_set(d, "own_slots_valid", int(np.count_nonzero(st[r.start:r.stop] == VALID)))
         s.set("own_slots_valid", sum(int(np.count_nonzero(st[r.start:r.stop] == VALID)) for r in self.own))
         own = sum(len(r) for r in self.own)
         tenants = {}

@@ -145,6 +145,10 @@ class DeviceCounters:
     """Times this device's worker was restarted."""
     pid: int = 0
     """Worker process id."""
+    own_slots: int = 0
+    """Slots of this server's area on this device (gauge; the supervisor writes it)."""
+    own_slots_valid: int = 0
+    """Of those, slots holding a valid page (gauge, refreshed every second)."""
 
 
 SERVICE_FIELDS = [f.name for f in dataclasses.fields(ServiceCounters)]

@@ -16,9 +16,10 @@ def pct(h: dict[str, Any], q: float) -> str:
 
 
 class DevicesTable(DataTable[str]):
-    """Reads, writes, queue depths and latency per device of each running server."""
+    """Area use, reads, writes, queue depths and latency per device of each running server."""
 
-    COLUMNS = ("server", "dev", "reads", "writes", "r queue", "w queue", "read p50", "read p99", "write p99")
+    COLUMNS = ("server", "dev", "area used", "reads", "writes", "r queue", "w queue", "read p50", "read p99",
+               "write p99")
 
     def on_mount(self) -> None:
         self.add_columns(*self.COLUMNS)
@@ -31,7 +32,8 @@ class DevicesTable(DataTable[str]):
             if st is None:
                 continue
             for d, dev in enumerate(st["devices"]):
-                self.add_row(name, str(d), str(dev["reads"]), str(dev["writes"]),
+                used = f"{dev['own_slots_valid'] / dev['own_slots']:.0%}" if dev.get("own_slots") else "-"
+                self.add_row(name, str(d), used, str(dev["reads"]), str(dev["writes"]),
                              f"{dev['reads_inflight']}+{dev['reads_queued']}",
                              f"{dev['writes_inflight']}+{dev['writes_queued']}",
                              pct(st["read_latency"][d], 50), pct(st["read_latency"][d], 99),
