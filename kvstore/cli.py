@@ -120,10 +120,9 @@ def _pick_server(cfg: StoreConfig, name: str | None) -> str:
     raise NotAllowed(f"store {cfg.name!r} has servers {[s.name for s in cfg.allowed]}: pass --server NAME")
 
 
-def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> tuple[list[str], list[str]]:
-    """SIGHUP this machine's services of ``cfg`` and wait until each runs with ``generation``.
-
-    Returns (applied, not yet applied) server names; a denied server's service stops instead."""
+def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> bool:
+    """SIGHUP this machine's services of ``cfg``, wait until each runs with ``generation`` (a denied
+    server's service stops instead) and say which did; returns True if some did not in time."""
     from .shm.segment import Segment, name_prefix
     from .shm.stats import StatsBlock
 
@@ -153,7 +152,12 @@ def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float)
                 applied.append(n)
                 del pending[n]
         time.sleep(0.05)
-    return applied, sorted(pending)
+    if applied:
+        print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
+    if pending:
+        _err(f"not yet applied by: {', '.join(sorted(pending))} (they re-read the config every 0.5 s; "
+             "see their logs)")
+    return bool(pending)
 
 
 def _set_area_everywhere(cfg: StoreConfig, index: int, server: str, denied: bool) -> int:
@@ -167,16 +171,14 @@ def _set_area_everywhere(cfg: StoreConfig, index: int, server: str, denied: bool
 
 def cmd_allow(a: argparse.Namespace) -> int:
     from .crdt.keys import create_keypair
-    from .storage.device import read_superblock, verify_device
+    from .storage.device import read_superblock, verify_store
 
     home = mass_home()
     cfg = load_store(a.store, home)
     name, _, sync = a.server.partition("=")
     check_name(name, "server")
     ServerConfig(name, sync, events=a.events or "", metrics=a.metrics or "")  # validate before writing
-    sbs = [verify_device(d, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
-                         device_count=len(cfg.devices), servers=[s.name for s in cfg.servers], denied=cfg.denied)
-           for i, d in enumerate(cfg.devices)]
+    sbs = verify_store(cfg)
     existing = {s.name: i for i, s in enumerate(cfg.servers)}
     if name in existing and not cfg.servers[existing[name]].denied:
         raise NotAllowed(f"server {name!r} is already allowed on store {cfg.name!r}")
@@ -193,7 +195,13 @@ def cmd_allow(a: argparse.Namespace) -> int:
         servers[index] = sv
     else:
         servers.append(sv)
-    dataclasses.replace(cfg, servers=tuple(servers))  # validates: sync addresses, server count
+    try:
+        dataclasses.replace(cfg, servers=tuple(servers))  # validates: sync addresses, server count
+    except ValueError as e:
+        if "needs a sync address" in str(e) and sync:
+            raise ValueError(f"{e}: set its sync = \"HOST:PORT\" in {store_path(cfg.name, home)}, restart its "
+                             "service, then allow again") from None
+        raise
     if index >= len(sbs[0].areas):
         raise NotAllowed(
             f"store {cfg.name!r} has no spare area: its {len(sbs[0].areas)} area(s) per device are all "
@@ -207,11 +215,7 @@ def cmd_allow(a: argparse.Namespace) -> int:
     slots = sum(sb.areas[index].slot_count for sb in (read_superblock(d) for d in cfg.devices))
     print(f"allowed server {name} on store {cfg.name}: area {index}, {slots} slots "
           f"({format_size(slots * cfg.page_size)}) over {len(cfg.devices)} device(s)")
-    applied, late = _tell_running(new, home, gen, a.timeout)
-    if applied:
-        print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
-    if late:
-        _err(f"not yet applied by: {', '.join(late)} (they re-read the config every 0.5 s; see their logs)")
+    late = _tell_running(new, home, gen, a.timeout)
     print(f"next: copy {store_path(cfg.name, home)} to every server's MASS_HOME/stores/ and "
           f"{home / 'keys' / cfg.name / (name + '.key')} to {name}'s MASS_HOME/keys/{cfg.name}/, then run "
           f"'mass-ctl kvcache connect {cfg.name} --server {name}' there")
@@ -219,7 +223,7 @@ def cmd_allow(a: argparse.Namespace) -> int:
 
 
 def cmd_deny(a: argparse.Namespace) -> int:
-    from .storage.device import verify_device
+    from .storage.device import verify_store
 
     home = mass_home()
     cfg = load_store(a.store, home)
@@ -229,9 +233,7 @@ def cmd_deny(a: argparse.Namespace) -> int:
     if len(cfg.allowed) == 1:
         raise NotAllowed(f"server {a.server!r} is the last allowed server of store {cfg.name!r}: "
                          "a store needs at least one")
-    for i, d in enumerate(cfg.devices):
-        verify_device(d, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
-                      device_count=len(cfg.devices), servers=[s.name for s in cfg.servers], denied=cfg.denied)
+    verify_store(cfg)
     servers = list(cfg.servers)
     servers[index] = dataclasses.replace(servers[index], denied=True, public_key="")
     new = dataclasses.replace(cfg, servers=tuple(servers))
@@ -241,11 +243,7 @@ def cmd_deny(a: argparse.Namespace) -> int:
     key.unlink(missing_ok=True)
     print(f"denied server {a.server} on store {cfg.name}: its key is revoked and its area {index} is no "
           "longer read")
-    applied, late = _tell_running(new, home, gen, a.timeout)
-    if applied:
-        print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
-    if late:
-        _err(f"not yet applied by: {', '.join(late)} (see their logs)")
+    late = _tell_running(new, home, gen, a.timeout)
     print(f"next: copy {store_path(cfg.name, home)} to every other server's MASS_HOME/stores/")
     return EXIT_FAIL if late else EXIT_OK
 

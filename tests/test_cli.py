@@ -218,3 +218,14 @@ def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -
                 "quickstart"):
         r = run(env_home, "kvcache", sub, "--help")
         assert r.returncode == 0 and "usage: mass-ctl kvcache " + sub in r.stdout, sub
+
+
+def test_allow_into_a_single_server_store_needs_its_sync_address(env_home: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kvcache", "create", "one", "--device", str(env_home / "o.img"), "--device-size", "16MiB",
+                 "--page-size", "64KiB", "--server", "x", "--spare", "1"]) == 0
+    capsys.readouterr()
+    assert main(["kvcache", "allow", "one", "y=127.0.0.1:7002"]) == 2
+    err = capsys.readouterr().err
+    assert "server x needs a sync address" in err and "set its sync" in err
+    assert [s.name for s in load_store("one").servers] == ["x"]

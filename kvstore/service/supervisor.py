@@ -53,7 +53,7 @@ from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftov
                            unlink_semaphore, wait_semaphore)
 from ..shm.slots import EMPTY, RETIRED, SLOT_DTYPE, VALID, SlotMap, entry_words, slot_table
 from ..shm.stats import D, StatsBlock, stats_nbytes
-from ..storage.device import verify_device
+from ..storage.device import verify_store
 from ..storage.header import HEADER_BLOCK
 from . import protocol as P
 from .allocator import Allocator, Generations
@@ -232,7 +232,7 @@ class Supervisor:
             if stale:
                 self.log.warning("removed leftovers of a crashed service", count=len(stale))
             self._cfg_stat = self._config_stat()
-            self.sbs = self._verify_devices(cfg)
+            self.sbs = verify_store(cfg)
             self.smap = SlotMap([[a.slot_count for a in sb.areas] for sb in self.sbs])
             total = self.smap.total
             self.arena_count = cfg.service.max_clients * cfg.service.client_buffers
@@ -301,12 +301,6 @@ class Supervisor:
             self.shutdown()
             raise
 
-    def _verify_devices(self, cfg: StoreConfig) -> list[Any]:
-        return [verify_device(p, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
-                              device_count=len(cfg.devices), servers=[s.name for s in cfg.servers],
-                              denied=cfg.denied)
-                for i, p in enumerate(cfg.devices)]
-
     def _start_sync(self) -> None:
         self._segment("peers", BOARD_BYTES)
         seg = self._segment("sync", SyncRings.nbytes())
@@ -364,7 +358,7 @@ class Supervisor:
             raise ValueError("servers were removed or reordered (deny them instead; areas never shift)")
         if new.servers == old.servers:
             return
-        sbs = self._verify_devices(new)
+        sbs = verify_store(new)
         if [[a.slot_count for a in sb.areas] for sb in sbs] != self.smap.counts:
             raise ValueError("the devices' area layout changed: restart the service")
         if new.servers[self.area].denied:

@@ -13,8 +13,11 @@ import mmap
 import os
 import stat
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import CorruptPage, DeviceMismatch
+if TYPE_CHECKING:
+    from ..config import StoreConfig
 from .superblock import (AREA_DENIED, COPY_OFFSETS, SUPERBLOCK_SIZE, Area, Superblock, plan_areas)
 
 
@@ -160,6 +163,13 @@ def verify_device(path: str, *, store_uuid: bytes, page_size: int, device_index:
     return sb
 
 
+def verify_store(cfg: StoreConfig) -> list[Superblock]:
+    """``verify_device`` for every device of ``cfg``: their superblocks, in device order."""
+    return [verify_device(p, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size, device_index=i,
+                          device_count=len(cfg.devices), servers=[s.name for s in cfg.servers], denied=cfg.denied)
+            for i, p in enumerate(cfg.devices)]
+
+
 def set_area(path: str, *, store_uuid: bytes, index: int, server: str, denied: bool) -> Superblock:
     """Rewrite one area entry (``allow``: name a spare area; ``deny``: flag it) with the next generation.
 
@@ -179,4 +189,4 @@ def set_area(path: str, *, store_uuid: bytes, index: int, server: str, denied: b
 
 
 __all__ = ["Area", "device_size", "format_device", "open_direct", "read_superblock", "set_area",
-           "verify_device", "write_superblock"]
+           "verify_device", "verify_store", "write_superblock"]
