@@ -15,6 +15,7 @@ import pytest
 from kvstore.config import load_store
 from kvstore.storage.device import read_superblock
 from kvstore.testing import ServiceProcess, free_port_pair, make_store, wait_for
+from kvstore.tui.source import LiveSource
 
 from .test_multiserver import PS, keys_of, put_pages, read_all, stats, visible
 
@@ -66,6 +67,16 @@ def test_allow_a_server_into_a_running_store(home: Path, file_devices: Any, serv
     assert ctl(home, "allow", "nope", "d").returncode == 3
     assert [s.name for s in load_store("m", home).servers] == ["a", "b", "c"]  # refusals changed nothing
     assert stats(sa).sync_messages_rejected == 0
+    # a broken config file is not applied: the services say so and serve on
+    cfg_file = home / "stores" / "m.toml"
+    good = cfg_file.read_text()
+    src = LiveSource("m", home)
+    cfg_file.write_text(good.replace("[store]", "[store", 1))
+    assert wait_for(lambda: any(w["event"] == "store config changed but was not applied"
+                                for w in src.snapshot()["a"]["warnings"]))
+    assert put_pages(home, "a", keys_of("a-later", 5)).stored == 5
+    assert read_all(home, "a", keys_of("a-later", 5)) == (5, 0, 0)
+    cfg_file.write_text(good)
 
 
 def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices: Any, services: Any) -> None:
