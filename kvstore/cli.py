@@ -182,7 +182,19 @@ def cmd_allow(a: argparse.Namespace) -> int:
     existing = {s.name: i for i, s in enumerate(cfg.servers)}
     if name in existing and not cfg.servers[existing[name]].denied:
         raise NotAllowed(f"server {name!r} is already allowed on store {cfg.name!r}")
-    if name in existing:
+    if a.reuse is not None:
+        # give a denied server's area (and the pages in it) to a new server
+        ri = cfg.server_index(a.reuse)
+        if not cfg.servers[ri].denied:
+            raise NotAllowed(f"--reuse {a.reuse}: that server is not denied (deny it first, and stop it)")
+        if name in existing:
+            raise NotAllowed(f"--reuse: server {name!r} is already on store {cfg.name!r}")
+        if _running(cfg.name, a.reuse, home):
+            raise NotAllowed(f"--reuse {a.reuse}: its service still runs here (pid "
+                             f"{_running(cfg.name, a.reuse, home)}); stop it first")
+        index = ri
+        sv = ServerConfig(name, sync, events=a.events or "", metrics=a.metrics or "")
+    elif name in existing:
         index = existing[name]
         old = cfg.servers[index]
         sv = dataclasses.replace(old, sync=sync or old.sync, events=a.events or old.events,
@@ -205,8 +217,8 @@ def cmd_allow(a: argparse.Namespace) -> int:
     if index >= len(sbs[0].areas):
         raise NotAllowed(
             f"store {cfg.name!r} has no spare area: its {len(sbs[0].areas)} area(s) per device are all "
-            f"assigned. Deny a server and allow it again, or recreate the store with --area-size or --spare "
-            f"to leave room for more servers")
+            f"assigned. Give it the area of a denied server (--reuse NAME), or recreate the store with "
+            f"--area-size or --spare to leave room for more servers")
     sv = dataclasses.replace(sv, public_key=create_keypair(cfg.name, name, home))
     servers[index] = sv
     new = dataclasses.replace(cfg, servers=tuple(servers))
@@ -512,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("server", metavar="NAME[=HOST:PORT]", help="server name and its sync address")
     c.add_argument("--events", metavar="HOST:PORT", help="where its service publishes vLLM-format KV events")
     c.add_argument("--metrics", metavar="HOST:PORT", help="its Prometheus endpoint")
+    c.add_argument("--reuse", metavar="DENIED",
+                   help="give NAME the area of the denied server DENIED (and the pages in it) instead of a "
+                        "spare area; DENIED must be stopped on every machine first, since two writers of one "
+                        "area turn each other's pages into misses")
     c.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for running services here to apply it (default 10)")
     c.set_defaults(fn=cmd_allow)

@@ -353,8 +353,8 @@ class Supervisor:
         for what in ("uuid", "page_size", "devices", "salt"):
             if getattr(new, what) != getattr(old, what):
                 raise ValueError(f"the config's {what} changed: restart the service to use it")
-        names = [s.name for s in new.servers]
-        if names[:len(old.servers)] != [s.name for s in old.servers]:
+        if len(new.servers) < len(old.servers) or any(
+                o.name != n.name and not o.denied for o, n in zip(old.servers, new.servers)):
             raise ValueError("servers were removed or reordered (deny them instead; areas never shift)")
         if new.servers == old.servers:
             return
@@ -373,7 +373,8 @@ class Supervisor:
                 self.log.warning("server denied: its area is no longer read", denied=sv.name, area=i)
             elif was and not sv.denied:
                 self.resnapshot.add(i)  # we forgot its pages; its deltas will not repeat them
-                self.log.info("server allowed again", allowed=sv.name, area=i)
+                self.log.info("server allowed again" if sv.name == old.servers[i].name
+                              else "server allowed into a denied server's area", allowed=sv.name, area=i)
             elif i >= len(old.servers):
                 self.log.info("server allowed", allowed=sv.name, area=i)
         self.cfg = new

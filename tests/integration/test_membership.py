@@ -132,5 +132,18 @@ def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices
     assert r.returncode == 4 and "last allowed server" in r.stderr
     assert wait_for(lambda: sb.proc.poll() is not None)  # b stopped itself when it was denied
     assert sb.proc.returncode == 0
+    # d takes over b's area, and the pages b left in it
+    r = ctl(home, "allow", "m", "d=127.0.0.1:1", "--reuse", "a")
+    assert r.returncode == 4 and "not denied" in r.stderr
+    r = ctl(home, "allow", "m", f"d=127.0.0.1:{free_port_pair()}", "--reuse", "b")
+    assert r.returncode == 0 and "area 1" in r.stdout and "applied by the running service(s) here: a" in r.stdout
+    assert [s.name for s in load_store("m", home).servers] == ["a", "d", "c"]
+    assert visible(home, "a", keys_of("b-marker", 5)) == 0
+    services(home, "m", "d")
+    assert wait_for(lambda: visible(home, "a", keys_of("b-marker", 5)) == 5)
+    assert read_all(home, "a", keys_of("b-marker", 5)) == (5, 0, 0)
+    assert read_all(home, "d", keys_of("b-marker", 5)) == (5, 0, 0)
+    assert put_pages(home, "d", keys_of("d", 10)).stored == 10
+    assert wait_for(lambda: visible(home, "a", keys_of("d", 10)) == 10)
     assert put_pages(home, "a", keys_of("a-end", 10)).stored == 10  # a serves on, alone
     assert read_all(home, "a", keys_of("a-end", 10)) == (10, 0, 0)
