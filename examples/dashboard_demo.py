@@ -21,12 +21,14 @@ def snapshot(step: int) -> dict:
         h = sum(hits * (3 + i * i % 7) // 4 for i in range(1, step + 1))
         m = sum(10 + 4 * (i * i % 5) for i in range(1, step + 1))
         w = sum(12 + 3 * (i * i % 7) for i in range(1, step + 1))
-        sv = ServiceCounters(hits=h, misses=m, bytes_read=h << 20, bytes_written=w << 20, own_slots=4096, own_slots_valid=min(4096, 900 * step),
-                             slots_total=8192, slots_valid=min(8192, 1700 * step), clients_connected=3,
+        sv = ServiceCounters(hits=h, misses=m, bytes_read=h << 20, bytes_written=w << 20,
+                             heartbeat_ns=1_800_000_000_000_000_000 + 2 * step * 10**9,  # every 2 s
+                             own_slots=4096, own_slots_valid=2400 + 60 * step + pid % 7 * 40,
+                             slots_total=8192, slots_valid=5000 + 120 * step, clients_connected=3,
                              evictions=40 * step, sync_records_sent=800 * step, sync_records_received=760 * step,
                              sync_records_merged=700 * step, hints_received=55 * step)
         devs = tuple(DeviceCounters(reads=hits * step + d, writes=6 * step, reads_inflight=d, writes_queued=2,
-                                    own_slots=2048, own_slots_valid=min(2048, (450 + 20 * d) * step))
+                                    own_slots=2048, own_slots_valid=1200 + 30 * step + 20 * pid % 7 * 10 + 50 * d)
                      for d in range(dev))
         st = StoreStatistics(sv, devs, lat, tuple(lat for _ in range(dev)), tuple(lat for _ in range(dev)))
         peer = "gpu02" if pid == 4242 else "gpu01"

@@ -27,7 +27,7 @@ HELP = """kvstore dashboard
 
   servers   capacity (own slots used / total), hit rate, bytes, faults
   devices   queue depths (in flight + queued) and latency percentiles
-  trend     hit rate and bytes per refresh
+  trend     hit rate, bytes read and written per second
   sync      updates exchanged with peers, peer lag (seconds since
             heard / updates behind), hit hints, tenants
   warnings  the newest warnings from the services' logs

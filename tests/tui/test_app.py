@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.widgets import Label
 
 from kvstore import KVCacheClient
 from kvstore.shm.stats import DeviceCounters, Histogram, ServiceCounters, StoreStatistics
@@ -22,7 +23,8 @@ from kvstore.tui.widgets.warnings import WarningsPanel
 def stats(hits: int, misses: int, read: int) -> dict[str, Any]:
     h = Histogram(tuple([0] * 8 + [10] + [0] * 23))
     s = StoreStatistics(ServiceCounters(hits=hits, misses=misses, bytes_read=read, own_slots=100, own_slots_valid=40,
-                                        slots_total=200, slots_valid=90, clients_connected=2, evictions=7),
+                                        slots_total=200, slots_valid=90, clients_connected=2, evictions=7,
+                                        heartbeat_ns=hits * 10**9),
                         (DeviceCounters(reads=5, writes=3),), h, (h,), (h,))
     return dataclasses.asdict(s)
 
@@ -50,6 +52,8 @@ async def test_keys_screens_and_values(size: tuple[int, int]) -> None:
         assert table.get_row("b")[1] == "down"
         await pilot.press("r")
         assert app.query_one(ServersTable).get_row("a")[4] == "75.0%"  # 30 hits, 10 misses
+        # 20 MiB more read over 20 s more of the service's clock
+        assert str(app.query_one("#read-label", Label).render()) == "read (now 1.0 MiB/s)"
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         await pilot.press("escape")
