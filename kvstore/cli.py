@@ -2,15 +2,16 @@
 
     mass-ctl kvcache create STORE --device PATH... --page-size SIZE --server NAME[=HOST:PORT]...
                             [--area-size SIZE | --spare N]
-    mass-ctl kvcache allow STORE NAME[=HOST:PORT] / deny STORE NAME
+    mass-ctl kvcache allow STORE NAME[=HOST:PORT] [--reuse DENIED] / deny STORE NAME
     mass-ctl kvcache connect STORE [--server NAME]
     mass-ctl kvcache connect STORE [--server NAME] --daemon / disconnect STORE [--server NAME]
     mass-ctl kvcache status STORE [--server NAME] [--json] [--watch]
-    mass-ctl kvcache list / show STORE [--json]
+    mass-ctl kvcache list / show STORE [--json] / dashboard STORE
     mass-ctl kvcache quickstart
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 3 store not
-found, 4 refused (not allowed, already running, device mismatch).
+found, 4 refused (not allowed or denied, already running, device mismatch, no
+spare area).
 """
 
 from __future__ import annotations
@@ -487,9 +488,14 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mass-ctl", description="Manage kvstore KV-cache stores.")
+    p = argparse.ArgumentParser(
+        prog="mass-ctl", description="Manage kvstore KV-cache stores.",
+        epilog="Exit codes: 0 done, 1 failed, 2 bad input, 3 no such store, 4 refused (not allowed or denied, "
+               "already running, device mismatch, no spare area). MASS_HOME (default ~/.mass) holds the "
+               "store configs, keys and run state.")
     sub = p.add_subparsers(dest="group", required=True)
-    kv = sub.add_parser("kvcache", help="shared KV-cache page stores")
+    kv = sub.add_parser("kvcache", help="shared KV-cache page stores",
+                        epilog="Exit codes: 0 done, 1 failed, 2 bad input, 3 no such store, 4 refused.")
     ks = kv.add_subparsers(dest="cmd", required=True)
 
     c = ks.add_parser("create", help="create a store and format its devices",
