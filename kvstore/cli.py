@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ._units import format_size, parse_size
-from .config import (ServerConfig, StoreConfig, check_name, check_page_size, load_store,
+from .config import (ServerConfig, StoreConfig, check_name, check_page_size, key_path, load_store,
                      mass_home, run_dir, save_store, store_path)
 from .errors import AlreadyRunning, DeviceMismatch, KVStoreError, NotAllowed, StoreNotFound
 
@@ -104,8 +104,8 @@ def cmd_create(a: argparse.Namespace) -> int:
     p = save_store(cfg, home)
     print(f"created store {cfg.name} ({cfg.uuid}), page size {format_size(page_size)}; config {p}")
     if len(servers) > 1:
-        print(f"server keys are in {home / 'keys' / cfg.name}: copy each server's .key file and the config "
-              "to that server's MASS_HOME")
+        print(f"server keys are in {key_path(cfg.name, servers[0].name, home).parent}: copy each server's "
+              ".key file and the config to that server's MASS_HOME")
     return EXIT_OK
 
 
@@ -124,34 +124,24 @@ def _pick_server(cfg: StoreConfig, name: str | None) -> str:
 def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> bool:
     """SIGHUP this machine's services of ``cfg``, wait until each runs with ``generation`` (a denied
     server's service stops instead) and say which did; returns True if some did not in time."""
-    from .shm.segment import Segment, name_prefix
-    from .shm.stats import StatsBlock
+    from .tui.source import read_service
 
-    running = {s.name: _running(cfg.name, s.name, home) for s in cfg.servers}
-    running = {n: pid for n, pid in running.items() if pid}
-    for pid in running.values():
+    pids = {s.name: _running(cfg.name, s.name, home) for s in cfg.servers}
+    pending = [n for n, pid in pids.items() if pid]
+    for n in pending:
         try:
-            os.kill(pid, signal.SIGHUP)
+            os.kill(pids[n], signal.SIGHUP)
         except ProcessLookupError:
             pass
-    pending = dict(running)
     applied: list[str] = []
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         for n in list(pending):
-            if not _running(cfg.name, n, home):
-                applied.append(n)  # it stopped: a denied server does
-                del pending[n]
-                continue
-            try:
-                seg = Segment.attach(name_prefix(home, cfg.name, n) + "stats")
-                gen = StatsBlock.attach(seg.buf).snapshot().service.config_generation
-                del seg
-            except Exception:  # starting or stopping right now
-                continue
-            if gen >= generation:
+            e = read_service(home, cfg.name, n)
+            # stopped (a denied server does), or running with the new membership
+            if not e["running"] or (e["stats"] and e["stats"]["service"]["config_generation"] >= generation):
                 applied.append(n)
-                del pending[n]
+                pending.remove(n)
         time.sleep(0.05)
     if applied:
         print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
@@ -172,13 +162,12 @@ def _set_area_everywhere(cfg: StoreConfig, index: int, server: str, denied: bool
 
 def cmd_allow(a: argparse.Namespace) -> int:
     from .crdt.keys import create_keypair
-    from .storage.device import read_superblock, verify_store
+    from .storage.device import verify_store
 
     home = mass_home()
     cfg = load_store(a.store, home)
     name, _, sync = a.server.partition("=")
-    check_name(name, "server")
-    ServerConfig(name, sync, events=a.events or "", metrics=a.metrics or "")  # validate before writing
+    fresh = ServerConfig(check_name(name, "server"), sync, events=a.events or "", metrics=a.metrics or "")
     sbs = verify_store(cfg)
     existing = {s.name: i for i, s in enumerate(cfg.servers)}
     if name in existing and not cfg.servers[existing[name]].denied:
@@ -190,24 +179,19 @@ def cmd_allow(a: argparse.Namespace) -> int:
             raise NotAllowed(f"--reuse {a.reuse}: that server is not denied (deny it first, and stop it)")
         if name in existing:
             raise NotAllowed(f"--reuse: server {name!r} is already on store {cfg.name!r}")
-        if _running(cfg.name, a.reuse, home):
-            raise NotAllowed(f"--reuse {a.reuse}: its service still runs here (pid "
-                             f"{_running(cfg.name, a.reuse, home)}); stop it first")
-        index = ri
-        sv = ServerConfig(name, sync, events=a.events or "", metrics=a.metrics or "")
+        pid = _running(cfg.name, a.reuse, home)
+        if pid:
+            raise NotAllowed(f"--reuse {a.reuse}: its service still runs here (pid {pid}); stop it first")
+        index, sv = ri, fresh
     elif name in existing:
         index = existing[name]
         old = cfg.servers[index]
         sv = dataclasses.replace(old, sync=sync or old.sync, events=a.events or old.events,
                                  metrics=a.metrics or old.metrics, denied=False)
     else:
-        index = len(cfg.servers)
-        sv = ServerConfig(name, sync, events=a.events or "", metrics=a.metrics or "")
+        index, sv = len(cfg.servers), fresh
     servers = list(cfg.servers)
-    if index < len(servers):
-        servers[index] = sv
-    else:
-        servers.append(sv)
+    servers[index:index + 1] = [sv]  # replaces, or appends at the end
     try:
         dataclasses.replace(cfg, servers=tuple(servers))  # validates: sync addresses, server count
     except ValueError as e:
@@ -225,12 +209,12 @@ def cmd_allow(a: argparse.Namespace) -> int:
     new = dataclasses.replace(cfg, servers=tuple(servers))
     gen = _set_area_everywhere(new, index, name, denied=False)  # devices first: services verify against them
     save_store(new, home)
-    slots = sum(sb.areas[index].slot_count for sb in (read_superblock(d) for d in cfg.devices))
+    slots = sum(sb.areas[index].slot_count for sb in sbs)  # allow renames an area, never resizes it
     print(f"allowed server {name} on store {cfg.name}: area {index}, {slots} slots "
           f"({format_size(slots * cfg.page_size)}) over {len(cfg.devices)} device(s)")
     late = _tell_running(new, home, gen, a.timeout)
     print(f"next: copy {store_path(cfg.name, home)} to every server's MASS_HOME/stores/ and "
-          f"{home / 'keys' / cfg.name / (name + '.key')} to {name}'s MASS_HOME/keys/{cfg.name}/, then run "
+          f"{key_path(cfg.name, name, home)} to {name}'s MASS_HOME/keys/{cfg.name}/, then run "
           f"'mass-ctl kvcache connect {cfg.name} --server {name}' there")
     return EXIT_FAIL if late else EXIT_OK
 
@@ -252,7 +236,7 @@ def cmd_deny(a: argparse.Namespace) -> int:
     new = dataclasses.replace(cfg, servers=tuple(servers))
     gen = _set_area_everywhere(new, index, a.server, denied=True)
     save_store(new, home)
-    key = home / "keys" / cfg.name / f"{a.server}.key"
+    key = key_path(cfg.name, a.server, home)
     key.unlink(missing_ok=True)
     print(f"denied server {a.server} on store {cfg.name}: its key is revoked and its area {index} is no "
           "longer read")
@@ -426,7 +410,7 @@ def cmd_show(a: argparse.Namespace) -> int:
             e["error"] = str(err)
         devices.append(e)
     servers = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None, "events": s.events or None, "metrics": s.metrics or None,
-                "key_here": (home / "keys" / cfg.name / f"{s.name}.key").exists(),
+                "key_here": key_path(cfg.name, s.name, home).exists(),
                 "running_pid": _running(cfg.name, s.name, home) or None} for i, s in enumerate(cfg.servers)]
     out = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size, "devices": devices, "servers": servers,
            "namespaces": cfg.namespaces, "quotas": cfg.quotas, "pin_quotas": cfg.pin_quotas,

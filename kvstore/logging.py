@@ -19,11 +19,11 @@ import structlog
 
 #: The last warnings and errors of this process, newest last (published for the dashboard).
 RECENT_WARNINGS: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
-_WARNING_LEVELS = {"warning", "error", "critical", "exception"}
+_WARNING_LEVELS = {"warning", "error", "critical"}
 
 
 def _keep_warnings(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    if method in _WARNING_LEVELS or event.get("level") in _WARNING_LEVELS:
+    if event.get("level") in _WARNING_LEVELS:  # add_log_level ran first (and maps exception to error)
         RECENT_WARNINGS.append({k: (v if isinstance(v, (str, int, float, bool)) or v is None else str(v))
                                 for k, v in event.items()})
     return event

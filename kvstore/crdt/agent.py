@@ -205,7 +205,7 @@ class Agent:
                 if m.snapshot:
                     self.want_snapshot.discard(peer)
                 st.epoch = m.epoch
-                st.next = max(st.next, m.next_seq) if not m.snapshot else max(st.next, m.next_seq)
+                st.next = max(st.next, m.next_seq)
                 st.outstanding = False
         else:
             self.stats.add("sync_messages_rejected")
@@ -334,11 +334,11 @@ class Agent:
             return
         from ..logging import recent_warnings
 
-        peers = {x.name: {"heard_s": round(now - self.state[x.area].heard_at, 3)
-                          if self.state[x.area].heard_at else None,
-                          "behind": max(0, self.state[x.area].announced - self.state[x.area].next),
-                          "catching_up": self.state[x.area].outstanding}
-                 for x in self.p.peers}
+        peers = {}
+        for x in self.p.peers:
+            st = self.state[x.area]
+            peers[x.name] = {"heard_s": round(now - st.heard_at, 3) if st.heard_at else None,
+                             "behind": max(0, st.announced - st.next), "catching_up": st.outstanding}
         self.board.write({"peers": peers, "warnings": recent_warnings()[-10:]})
 
     def close(self) -> None:

@@ -307,8 +307,6 @@ class Supervisor:
         self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
                              self.cfg.sync.delta_log_records, self.stats, on_change=self._on_merge,
                              on_hint=self._on_hint)
-        for i, sv in enumerate(self.cfg.servers):
-            self.sync.denied[i] = sv.denied
         self._spawn_agent()
 
     # ---- membership: allow / deny while running ------------------------------------------------
@@ -386,8 +384,6 @@ class Supervisor:
             if len(new.servers) > 1:
                 self._start_sync()
             return
-        for i, sv in enumerate(new.servers):
-            self.sync.denied[i] = sv.denied
         # the agent takes its peers and the keys it admits at spawn: replace it
         self._stop_agent()
         self._spawn_agent()
@@ -450,6 +446,9 @@ class Supervisor:
         cfg = self.cfg
         me = cfg.servers[self.area]
         public, secret = load_keypair(cfg.name, self.server, self.home)
+        # the membership the new agent serves is the one the supervisor merges for
+        assert self.sync is not None
+        self.sync.denied[:len(cfg.servers)] = [s.denied for s in cfg.servers]
         peers = tuple(Peer(s.name, i, *s.endpoints, s.public_key.encode())
                       for i, s in enumerate(cfg.servers) if i != self.area and not s.denied)
         params = AgentParams(
@@ -875,12 +874,13 @@ class Supervisor:
         st = self.slots["state"]
         s.set("slots_total", self.smap.total)
         s.set("slots_valid", int(np.count_nonzero(st == VALID)))
-        s.set("own_slots", sum(len(r) for r in self.own))
+        own = sum(len(r) for r in self.own)
+        own_valid = [int(np.count_nonzero(st[r.start:r.stop] == VALID)) for r in self.own]
         for d, r in enumerate(self.own):
             s.dev_set(d, "own_slots", len(r))
-            s.dev_set(d, "own_slots_valid", int(np.count_nonzero(st[r.start:r.stop] == VALID)))
-        s.set("own_slots_valid", sum(int(np.count_nonzero(st[r.start:r.stop] == VALID)) for r in self.own))
-        own = sum(len(r) for r in self.own)
+            s.dev_set(d, "own_slots_valid", own_valid[d])
+        s.set("own_slots", own)
+        s.set("own_slots_valid", sum(own_valid))
         tenants = {}
         for name, tid in self.tenant_ids.items():
             tenants[name] = {"slots": self.alloc.used_by.get(tid, 0), "quota": self.cfg.quota_for(name),

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptPage, DeviceMismatch
+from .superblock import (AREA_DENIED, COPY_OFFSETS, SUPERBLOCK_SIZE, Area, Superblock, plan_areas)
+
 if TYPE_CHECKING:
     from ..config import StoreConfig
-from .superblock import (AREA_DENIED, COPY_OFFSETS, SUPERBLOCK_SIZE, Area, Superblock, plan_areas)
 
 
 def device_size(path: str) -> int:

@@ -3,12 +3,13 @@ is, and tenant usage."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from textual.widgets import DataTable
+from .table import SnapshotTable
 
 
-class SyncTable(DataTable[str]):
+class SyncTable(SnapshotTable):
     """Per server: updates sent, received, merged, rejected messages, peer lag, hints, tenants.
 
     Peer lag reads ``NAME AGE/BEHIND``: seconds since that peer was last heard from, and updates
@@ -16,22 +17,15 @@ class SyncTable(DataTable[str]):
 
     COLUMNS = ("server", "sent", "received", "merged", "rejected", "peer lag (s/updates)", "hints", "tenants")
 
-    def on_mount(self) -> None:
-        self.add_columns(*self.COLUMNS)
-
-    def show(self, snap: dict[str, dict[str, Any]]) -> None:
-        """Replace the rows with this snapshot."""
-        self.clear()
-        for name, e in snap.items():
-            st = e.get("stats")
-            if st is None:
-                continue
-            sv = st["service"]
-            tenants = ", ".join(f"{t or '(default)'} {u['slots']}" for t, u in sorted(e.get("tenants", {}).items()))
-            self.add_row(name, str(sv["sync_records_sent"]), str(sv["sync_records_received"]),
-                         str(sv["sync_records_merged"]), str(sv["sync_messages_rejected"]),
-                         peer_lag(e.get("peers", {})), str(sv["hints_received"]), tenants or "-")
-
+    def rows_of(self, name: str, e: dict[str, Any]) -> Iterable[tuple[str, ...]]:
+        st = e.get("stats")
+        if st is None:
+            return
+        sv = st["service"]
+        tenants = ", ".join(f"{t or '(default)'} {u['slots']}" for t, u in sorted(e.get("tenants", {}).items()))
+        yield (name, str(sv["sync_records_sent"]), str(sv["sync_records_received"]),
+               str(sv["sync_records_merged"]), str(sv["sync_messages_rejected"]),
+               peer_lag(e.get("peers", {})), str(sv["hints_received"]), tenants or "-")
 
 def peer_lag(peers: dict[str, dict[str, Any]]) -> str:
     """``b 0.2/0, c never`` : per peer, seconds since heard and updates behind."""
