@@ -20,12 +20,13 @@ from .errors import QuotaExceeded as QuotaExceeded
 from .errors import ServiceLost as ServiceLost
 from .errors import StoreNotFound as StoreNotFound
 from .errors import Timeout as Timeout
+from .errors import ViewsInUse as ViewsInUse
 from .errors import WorkerLost as WorkerLost
 from .errors import WouldBlock as WouldBlock
 
 __all__ = [
     "AlreadyRunning", "ClosedError", "CorruptPage", "DeviceMismatch", "KVCacheClient", "KVStoreError",
     "NotAllowed", "PageBatch", "PutResult", "QuotaExceeded", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
-    "StoreNotFound", "Timeout", "WorkerConfig", "WorkerLost", "WouldBlock",
+    "StoreNotFound", "Timeout", "ViewsInUse", "WorkerConfig", "WorkerLost", "WouldBlock",
 ]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ import numpy as np
 
 
 from .config import check_name, mass_home, run_dir, store_path
-from .errors import ClosedError, KVStoreError, QuotaExceeded, ServiceLost, StoreNotFound, Timeout
+from .errors import (ClosedError, KVStoreError, NotAllowed, QuotaExceeded, ServiceLost, StoreNotFound, Timeout,
+                     ViewsInUse, WouldBlock)
 from .service import protocol as P
 from .shm import arena as A
 from .shm.segment import Segment, attach_semaphore, wait_semaphore
@@ -59,18 +61,33 @@ class PutResult:
     """Pages not written: no slot could be freed (all pinned or being written) or the write failed."""
 
 
+class _PageArray(np.ndarray[Any, Any]):
+    """The exporter behind one page view: a read-only array over an arena buffer.
+
+    Every view handed out, and everything derived from it (slices, numpy arrays,
+    ``memoryview``s of those), keeps this object alive; the client holds only a weak
+    reference, so it knows exactly when the last reader is gone. It also keeps the
+    client (and so the connection and its lease) alive while any view exists.
+    """
+
+    _owner: Any
+
+
 class PageBatch(Sequence["memoryview | None"]):
     """The result of ``get``: one read-only ``memoryview`` per key, ``None`` for a miss.
 
-    The views point into shared memory the client leases from the service;
-    they are valid until ``release()`` (or the end of the ``with`` block), after
-    which the buffers are reused.
+    The views point into shared memory the client leases from the service (zero
+    copy). A view never changes under its reader: ``release()`` (or the end of the
+    ``with`` block) invalidates the views this batch handed out, and a buffer
+    goes back to the pool only once nothing derived from its view (a slice, a
+    numpy array made with ``np.frombuffer``) is alive any more. Until then the
+    buffer stays out of use, so keep such arrays short-lived, or copy them.
     """
 
-    def __init__(self, client: KVCacheClient, views: list[memoryview | None], bufs: list[int]) -> None:
+    def __init__(self, client: KVCacheClient, views: list[memoryview | None], held: list[tuple[int, Any]]) -> None:
         self._client = client
         self._views = views
-        self._bufs = bufs
+        self._held = held  # (buffer, weakref to its exporter)
         self._released = False
 
     def __getitem__(self, i: Any) -> Any:
@@ -87,7 +104,8 @@ class PageBatch(Sequence["memoryview | None"]):
         return sum(v is not None for v in self._views)
 
     def release(self) -> None:
-        """Give the buffers back (idempotent). Views must not be used afterwards."""
+        """Give the buffers back (idempotent). The batch's views are released; a buffer
+        with arrays or slices still derived from its view returns once they are gone."""
         if self._released:
             return
         self._released = True
@@ -96,8 +114,10 @@ class PageBatch(Sequence["memoryview | None"]):
                 try:
                     v.release()
                 except BufferError:
-                    pass  # something (e.g. a numpy array) still exports it; the buffer is recycled anyway
-        self._client._free_buffers(self._bufs)
+                    pass  # something still exports it: its buffer lingers until that is gone
+        self._views = []
+        self._client._linger(self._held)
+        self._held = []
 
     def __enter__(self) -> PageBatch:
         return self
@@ -109,9 +129,12 @@ class PageBatch(Sequence["memoryview | None"]):
 class KVCacheClient:
     """A connection to the local cache service of one store.
 
-    Invariant: at most one request is outstanding on the connection (calls are
-    serialized by a lock), and every leased buffer is either FREE, held by this
-    client (CLIENT), or handed to the service (SERVICE/QUARANTINE) - never lost.
+    Invariants: at most one call runs at a time (a lock); a request descriptor
+    is either the client's (FREE, or ANSWERED and being read) or the service's
+    (POSTED), and the client writes none of the service's; every leased buffer
+    is FREE, held by this client (CLIENT: being filled, or behind a view that is
+    still alive), or the service's (SERVICE/QUARANTINE) - never lost, and never
+    reused while a view of it is alive.
     """
 
     def __init__(self, sock: socket.socket, hello: dict[str, Any], timeout: float) -> None:
@@ -121,6 +144,8 @@ class KVCacheClient:
         """Store name."""
         self.server: str = hello["server"]
         """Server name of the service this client talks to."""
+        self.tenant: str = hello.get("tenant", "")
+        """The tenant whose key space this connection uses (as the service granted it)."""
         self.page_size: int = hello["page_size"]
         """Bytes per page."""
         self.max_batch: int = hello["max_batch"]
@@ -136,8 +161,10 @@ class KVCacheClient:
         self._doorbell = attach_semaphore(hello["doorbell"])
         self._lease = range(hello["lease_start"], hello["lease_start"] + hello["lease_count"])
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
+        self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
+        self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
         self._lock = threading.Lock()
-        self._next = 1
+        self._seq = 1
         self._closed = False
 
     # ---- connection ------------------------------------------------------------------------
@@ -151,11 +178,14 @@ class KVCacheClient:
             server: which local service, if several servers of the store run here.
             home: MASS_HOME (default: the ``MASS_HOME`` env var, else ``~/.mass``).
             timeout: seconds any call may take before raising ``Timeout``.
-            tenant: the tenant whose key space this connection uses: tenants share pages only
-                when the store config maps them to one namespace (``[namespaces]``).
+            tenant: the tenant whose key space this connection uses. The service checks it
+                against this process's user and groups (``[tenant_users]`` in the store config);
+                empty asks for the tenant this user is mapped to. Tenants share pages only when
+                the store config maps them to one namespace (``[namespaces]``).
 
         Raises:
             StoreNotFound: no such store, or no service of it runs here.
+            NotAllowed: this user may not use ``tenant``.
             KVStoreError: the service refused the connection (e.g. too many clients).
         """
         check_name(store, "store")
@@ -178,7 +208,7 @@ class KVCacheClient:
         try:
             s.settimeout(timeout)
             s.connect(str(path))
-            P.send_frame(s, {"v": P.VERSION, "op": "hello", "pid": os.getpid(), "tenant": tenant})
+            P.send_frame(s, {"v": P.VERSION, "op": "hello", "tenant": tenant})
             hello = P.recv_frame(s)
         except (FileNotFoundError, ConnectionRefusedError):
             s.close()
@@ -189,13 +219,25 @@ class KVCacheClient:
             raise ServiceLost(f"handshake with the service of {store!r} failed: {e}") from None
         if not hello.get("ok"):
             s.close()
+            if hello.get("kind") == "tenant":
+                raise NotAllowed(f"the service of {store!r} refused the connection: {hello.get('error')}")
             raise KVStoreError(f"the service of {store!r} refused the connection: {hello.get('error')}")
         return cls(s, hello, timeout)
 
     def close(self) -> None:
-        """Disconnect (idempotent). Views from unreleased ``get`` batches become invalid."""
+        """Disconnect (idempotent).
+
+        Raises:
+            ViewsInUse: views of pages (or arrays made from them) are still alive; the
+                client stays open, since closing would let other clients reuse their
+                buffers under them. Drop them (or copy what you need) and close again.
+        """
         if self._closed:
             return
+        self._collect_lingering()
+        if self._lingering:
+            raise ViewsInUse(f"{len(self._lingering)} page view(s) from released batches are still in use "
+                             "(slices or numpy arrays made from them): drop or copy them, then close again")
         self._closed = True
         self._sock.close()
         self._sem.close()
@@ -214,15 +256,29 @@ class KVCacheClient:
     def _reclaim_orphans(self) -> None:
         for b in list(self._orphans):
             st = self._arena.state(b)
-            if st == A.CLIENT:
+            if st == A.CLIENT:  # answered after the call gave up: nobody holds a view of it
                 self._arena.set_state(b, A.FREE)
             if st in (A.CLIENT, A.FREE):
                 self._orphans.discard(b)
+
+    def _linger(self, held: list[tuple[int, Any]]) -> None:
+        self._lingering += held
+        self._collect_lingering()
+
+    def _collect_lingering(self) -> None:
+        alive = []
+        for b, ref in self._lingering:
+            if ref() is None:
+                self._arena.set_state(b, A.FREE)
+            else:
+                alive.append((b, ref))
+        self._lingering = alive
 
     def _alloc(self, n: int, deadline: float) -> list[int]:
         pause = 20e-6
         while True:
             self._reclaim_orphans()
+            self._collect_lingering()
             free = [i for i in self._lease if self._arena.state(i) == A.FREE]
             if len(free) >= n:
                 got = free[:n]
@@ -231,15 +287,16 @@ class KVCacheClient:
                 return got
             self._check_service()
             if time.monotonic() >= deadline:
-                raise Timeout(f"no free page buffer within the timeout ({len(free)} of {n} free): "
-                              "writes are backed up; slow down or raise the timeout")
+                raise Timeout(f"no free page buffer within the timeout ({len(free)} of {n} free, "
+                              f"{len(self._lingering)} held by live views): writes are backed up or "
+                              "views of released batches are still in use; slow down or raise the timeout")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    def _free_buffers(self, bufs: Sequence[int]) -> None:
+    def _give_back(self, bufs: Sequence[int]) -> None:
+        """Buffers of a request the service refused (it never took them) are free again."""
         for b in bufs:
-            if self._arena.state(b) == A.CLIENT:
-                self._arena.set_state(b, A.FREE)
+            self._arena.set_state(b, A.FREE)
 
     # ---- requests ------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -257,33 +314,72 @@ class KVCacheClient:
                 raise ServiceLost(f"the cache service of store {self.store!r} is gone; recompute, "
                                   f"and reconnect once 'mass-ctl kvcache connect {self.store}' runs again")
 
-    def _call(self, op: int, count: int, flags: int, deadline: float, bufs: Sequence[int] = ()) -> Any:
-        rid = self._next
-        self._next += 1
-        try:
-            self._chan.requests.put((rid, op, count, flags, 0, 0), max(0.0, deadline - time.monotonic()))
-        except Exception:
-            raise Timeout("the service did not take the request in time") from None
-        self._doorbell.release()
+    def _acquire(self, deadline: float) -> P.Descriptor:
+        """A request descriptor this client owns: a free one, or one the service gave back
+        after answering a timed-out call."""
         while True:
-            while len(self._chan.responses):
-                m = self._chan.responses.get_nowait()
-                if int(m["req_id"]) == rid:
-                    st = int(m["status"])
-                    if st == P.S_TOO_LARGE:
-                        raise ValueError(f"batch of {count} keys exceeds the service's max batch {self.max_batch}")
-                    if st != P.S_OK:
-                        raise KVStoreError(f"the service rejected the request (status {st})")
-                    return m
+            for i, d in enumerate(self._chan.desc):
+                st = d.state
+                if i in self._abandoned:
+                    if st != P.D_ANSWERED:
+                        continue  # still the service's
+                    self._abandoned.discard(i)
+                    d.set_state(P.D_FREE)
+                    st = P.D_FREE
+                if st == P.D_FREE:
+                    return d
             self._check_service()
             left = deadline - time.monotonic()
             if left <= 0:
-                self._orphans.update(bufs)
-                raise Timeout(f"no answer from the cache service within {self.timeout} s; "
-                              "treat these pages as misses")
+                raise Timeout(f"the service still holds all {P.NDESC} requests of this connection "
+                              "(earlier calls timed out); treat these pages as misses")
             wait_semaphore(self._sem, min(left, 0.05))
 
-    def _keys(self, keys: Sequence[bytes], start: int, n: int) -> None:
+    def _call(self, d: P.Descriptor, op: int, count: int, flags: int, deadline: float,
+              bufs: Sequence[int] = ()) -> tuple[int, np.ndarray[Any, Any]]:
+        """Post the request in ``d`` (filled by the caller) and wait for its answer.
+
+        Returns ``(value, results)``. On timeout the descriptor and ``bufs`` stay the
+        service's (it is told to cancel) and come back once it answers."""
+        seq = self._seq
+        self._seq += 1
+        h = d.head
+        h["seq"] = seq
+        h["op"] = op
+        h["count"] = count
+        h["flags"] = flags
+        d.set_cancel(0)
+        d.set_state(P.D_POSTED)  # from here on the descriptor is the service's
+        try:
+            self._chan.requests.put_nowait((seq, d.index, 0))
+        except WouldBlock:  # cannot happen: the ring holds as many records as there are descriptors
+            d.set_state(P.D_FREE)
+            raise Timeout("the service did not take the request in time") from None
+        self._doorbell.release()
+        while True:
+            if d.state == P.D_ANSWERED and int(h["answered"][0]) == seq:
+                st = int(h["status"][0])
+                value = int(h["value"][0])
+                res = d.results[:count].copy()
+                d.set_state(P.D_FREE)
+                if st == P.S_OK:
+                    return value, res
+                if bufs:
+                    self._give_back(bufs)
+                if st == P.S_TOO_LARGE:
+                    raise ValueError(f"batch of {count} keys exceeds the service's max batch {self.max_batch}")
+                raise KVStoreError(f"the service rejected the request (status {st})")
+            self._check_service()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                d.set_cancel(1)
+                self._abandoned.add(d.index)
+                self._orphans.update(bufs)
+                raise Timeout(f"no answer from the cache service within the timeout ({self.timeout} s "
+                              "default); treat these pages as misses")
+            wait_semaphore(self._sem, min(left, 0.05))
+
+    def _keys(self, d: P.Descriptor, keys: Sequence[bytes], start: int, n: int) -> None:
         part = keys[start:start + n]
         for j, k in enumerate(part):
             if not isinstance(k, bytes):
@@ -291,7 +387,7 @@ class KVCacheClient:
             if not k:
                 raise ValueError(f"keys[{start + j}] is empty")
         blob = b"".join(key_id(k) for k in part)
-        self._chan.keys[:n] = np.frombuffer(blob, dtype=np.uint8).reshape(n, 32)
+        d.keys[:n] = np.frombuffer(blob, dtype=np.uint8).reshape(n, 32)
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -323,11 +419,12 @@ class KVCacheClient:
             self._check_open()
             for start in range(0, len(keys), self.max_batch):
                 n = min(self.max_batch, len(keys) - start)
-                self._keys(keys, start, n)
-                m = self._call(P.OP_LOOKUP, n, 0, deadline)
-                found += (self._chan.results[:n] == P.R_HIT).tolist()
+                d = self._acquire(deadline)
+                self._keys(d, keys, start, n)
+                value, res = self._call(d, P.OP_LOOKUP, n, 0, deadline)
+                found += (res == P.R_HIT).tolist()
                 if lead == start:
-                    lead += int(m["value"])
+                    lead += value
         return lead, found
 
     def get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> PageBatch:
@@ -335,7 +432,8 @@ class KVCacheClient:
 
         Every returned page was validated by the service (header, generation,
         key and checksum); anything else is a miss. Release the batch (or use
-        ``with``) to give its buffers back.
+        ``with``) to give its buffers back; a view never changes while it, or
+        anything made from it, is alive.
 
         Raises:
             ValueError: more keys than ``max_batch``.
@@ -352,24 +450,22 @@ class KVCacheClient:
         with self._lock:
             self._check_open()
             n = len(keys)
-            self._keys(keys, 0, n)
+            d = self._acquire(deadline)
+            self._keys(d, keys, 0, n)
             bufs = self._alloc(n, deadline)
-            ch = self._chan
-            for j, b in enumerate(bufs):
-                ch.bufs[j] = b
+            d.bufs[:n] = bufs
+            for b in bufs:
                 self._arena.set_state(b, A.SERVICE)
-            try:
-                self._call(P.OP_GET, n, 0, deadline, bufs)
-            except KVStoreError as e:
-                if not isinstance(e, Timeout):
-                    self._free_buffers(bufs)
-                raise
+            _, res = self._call(d, P.OP_GET, n, 0, deadline, bufs)
             views: list[memoryview | None] = []
-            held: list[int] = []
+            held: list[tuple[int, Any]] = []
             for j, b in enumerate(bufs):
-                if int(ch.results[j]) == P.R_HIT and self._arena.state(b) == A.CLIENT:
-                    views.append(self._arena.payload(b, int(ch.lengths[j])).toreadonly())
-                    held.append(b)
+                if int(res[j]) == P.R_HIT and self._arena.state(b) == A.CLIENT:
+                    page = self._arena.payload_array(b).view(_PageArray)
+                    page.flags.writeable = False
+                    page._owner = self
+                    views.append(memoryview(page))  # type: ignore[arg-type]
+                    held.append((b, weakref.ref(page)))
                 else:
                     views.append(None)
                     if self._arena.state(b) == A.CLIENT:
@@ -393,7 +489,9 @@ class KVCacheClient:
         Raises:
             ValueError: ``len(keys) != len(pages)`` or a page of the wrong size.
             TypeError: a key is not ``bytes`` or a page has no buffer interface.
-            Timeout, ServiceLost: the service did not take or finish the batch.
+            Timeout, ServiceLost: the service did not take or finish the batch (a
+                sub-batch the service had not started when the call timed out is not
+                written; one it had started may still be).
         """
         keys = list(keys)
         pages = list(pages)
@@ -419,16 +517,16 @@ class KVCacheClient:
             self._check_open()
             for start in range(0, len(keys), step):
                 n = min(step, len(keys) - start)
-                self._keys(keys, start, n)
+                d = self._acquire(deadline)
+                self._keys(d, keys, start, n)
                 bufs = self._alloc(n, deadline)
-                ch = self._chan
                 for j, b in enumerate(bufs):
                     self._arena.payload(b)[:] = views[start + j]
-                    ch.bufs[j] = b
-                    ch.lengths[j] = self.page_size
                     self._arena.set_state(b, A.SERVICE)
-                self._call(P.OP_PUT, n, P.FLAG_WAIT if wait else 0, deadline, bufs)
-                for r in ch.results[:n].tolist():
+                d.bufs[:n] = bufs
+                d.lengths[:n] = self.page_size
+                _, res = self._call(d, P.OP_PUT, n, P.FLAG_WAIT if wait else 0, deadline, bufs)
+                for r in res.tolist():
                     counts[r] = counts.get(r, 0) + 1
         return PutResult(counts[P.R_STORED], counts[P.R_QUEUED], counts[P.R_SKIPPED], counts[P.R_DROPPED])
 
@@ -461,9 +559,9 @@ class KVCacheClient:
             self._check_open()
             for start in range(0, len(keys), self.max_batch):
                 n = min(self.max_batch, len(keys) - start)
-                self._keys(keys, start, n)
-                self._call(op, n, 0, deadline)
-                res = self._chan.results[:n]
+                d = self._acquire(deadline)
+                self._keys(d, keys, start, n)
+                _, res = self._call(d, op, n, 0, deadline)
                 done += int((res == P.R_PINNED).sum())
                 quota += int((res == P.R_QUOTA).sum())
         return done, quota
@@ -471,13 +569,18 @@ class KVCacheClient:
     def ping(self, *, timeout: float | None = None) -> float:
         """Round-trip a no-op through the service; returns seconds taken."""
         t0 = time.monotonic()
+        deadline = self._deadline(timeout)
         with self._lock:
             self._check_open()
-            self._call(P.OP_PING, 0, 0, self._deadline(timeout))
+            self._call(self._acquire(deadline), P.OP_PING, 0, 0, deadline)
         return time.monotonic() - t0
 
     def free_buffers(self) -> int:
-        """Leased buffers free right now (diagnostics: a leak shows as fewer than ``max_batch``)."""
+        """Leased buffers free right now (diagnostics: a leak shows as fewer than ``max_batch``).
+
+        Buffers of timed-out calls count once the service has given them back, and
+        buffers of released batches once no view of them is alive."""
+        with self._lock:
+            self._reclaim_orphans()
+            self._collect_lingering()
         return sum(1 for i in self._lease if self._arena.state(i) == A.FREE)
-
-

@@ -148,6 +148,10 @@ class ServiceConfig:
     access_group: str = ""
     """Unix group whose members' engines may connect (socket, shared memory and run directory
     get group read/write). Empty: only the service's own user may connect."""
+    trust_declared_tenant: bool = False
+    """Grant any tenant a client names at connect, whoever it runs as (the behaviour before
+    tenants came from credentials). Only for sites where every local user is trusted: the
+    tenant is then the client's word, not the kernel's."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.client_buffers <= 4096:
@@ -217,6 +221,11 @@ class StoreConfig:
     pin_quotas: dict[str, int] = field(default_factory=dict)
     """Tenant -> most pages it may pin per server ("*": every tenant not listed; default a
     quarter of the server's own slots)."""
+    tenants: dict[str, list[str]] = field(default_factory=dict)
+    """Tenant -> the local users and groups whose processes may use it: ``"user:NAME"``,
+    ``"uid:N"``, ``"group:NAME"``, ``"gid:N"``. The service learns who connected from the
+    kernel (``SO_PEERCRED``) and grants only a tenant the caller is mapped to; a caller
+    mapped to no tenant gets the default tenant "" (see ``tenant_for``)."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "store")
@@ -250,6 +259,12 @@ class StoreConfig:
                     check_name(t, "tenant")
                 if not isinstance(n, int) or n < 0:
                     raise ValueError(f"{what}[{t!r}] must be an integer >= 0, got {n!r}")
+        for t, principals in self.tenants.items():
+            check_name(t, "tenant")
+            if not isinstance(principals, list) or not principals:
+                raise ValueError(f"tenants[{t!r}] must be a non-empty list like [\"user:alice\", \"group:ml\"]")
+            for p in principals:
+                _principal_ids(p)
 
     def quota_for(self, tenant: str) -> int | None:
         """Slot quota of ``tenant`` per server, or ``None`` when unlimited."""
@@ -258,6 +273,47 @@ class StoreConfig:
     def pin_quota_for(self, tenant: str, own_slots: int) -> int:
         """Pin quota of ``tenant`` per server."""
         return self.pin_quotas.get(tenant, self.pin_quotas.get("*", own_slots // 4))
+
+    def tenants_of(self, uid: int, groups: frozenset[int]) -> list[str]:
+        """The tenants a process of ``uid`` in ``groups`` is mapped to (``tenants``), sorted."""
+        out = []
+        for t, principals in self.tenants.items():
+            for p in principals:
+                kind, ident = _principal_ids(p)
+                if (kind == "uid" and ident == uid) or (kind == "gid" and ident in groups):
+                    out.append(t)
+                    break
+        return sorted(out)
+
+    def tenant_for(self, asked: str, uid: int, groups: frozenset[int]) -> str:
+        """The tenant a connection of ``uid``/``groups`` gets when it asks for ``asked``.
+
+        * ``service.trust_declared_tenant``: ``asked``, whoever asks (the old behaviour);
+        * a caller mapped to tenants (``tenants``) may ask for any of them; asking for ""
+          gives its only tenant (several: it must name one);
+        * a caller mapped to none gets the default tenant "" and may ask for nothing else.
+
+        Raises:
+            NotAllowed: the caller may not use ``asked`` (or must name one of several).
+            ValueError: ``asked`` is not a valid tenant name.
+        """
+        from .errors import NotAllowed
+
+        if asked:
+            check_name(asked, "tenant")
+        if self.service.trust_declared_tenant:
+            return asked
+        mine = self.tenants_of(uid, groups)
+        if not asked:
+            if len(mine) > 1:
+                raise NotAllowed(f"uid {uid} is mapped to several tenants ({', '.join(mine)}): "
+                                 "connect with tenant= one of them")
+            return mine[0] if mine else ""
+        if asked in mine:
+            return asked
+        raise NotAllowed(f"uid {uid} may not use tenant {asked!r}: the store config maps it to "
+                         f"{', '.join(repr(t) for t in mine) if mine else 'no tenant (the default one)'}; an "
+                         "administrator grants tenants in [tenants] (user:NAME, uid:N, group:NAME, gid:N)")
 
     def tenant_salt(self, tenant: str) -> bytes:
         """The salt of ``tenant``'s key space (see ``namespaces``); raises ``ValueError`` on a bad name."""
@@ -321,6 +377,7 @@ class StoreConfig:
             "namespaces": dict(self.namespaces),
             "quotas": dict(self.quotas),
             "pin_quotas": dict(self.pin_quotas),
+            "tenants": {t: list(p) for t, p in self.tenants.items()},
         }
         return tomli_w.dumps(doc)
 
@@ -343,9 +400,32 @@ class StoreConfig:
                 namespaces=dict(doc.get("namespaces", {})),
                 quotas=dict(doc.get("quotas", {})),
                 pin_quotas=dict(doc.get("pin_quotas", {})),
+                tenants={t: list(p) for t, p in doc.get("tenants", {}).items()},
             )
         except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"malformed store config: {e}") from None
+
+
+def _principal_ids(p: object) -> tuple[str, int]:
+    """``("uid", N)`` or ``("gid", N)`` for a principal of ``StoreConfig.tenants``; names are
+    resolved on this machine. Raises ``ValueError`` for a malformed or unknown one."""
+    if not isinstance(p, str) or ":" not in p:
+        raise ValueError(f"tenant principal {p!r} must be user:NAME, uid:N, group:NAME or gid:N")
+    kind, _, val = p.partition(":")
+    try:
+        if kind in ("uid", "gid"):
+            return kind, int(val)
+        if kind == "user":
+            import pwd
+
+            return "uid", pwd.getpwnam(val).pw_uid
+        if kind == "group":
+            import grp
+
+            return "gid", grp.getgrnam(val).gr_gid
+    except (KeyError, ValueError):
+        raise ValueError(f"tenant principal {p!r}: no such {kind} here") from None
+    raise ValueError(f"tenant principal {p!r} must be user:NAME, uid:N, group:NAME or gid:N")
 
 
 def store_path(name: str, home: Path | None = None) -> Path:

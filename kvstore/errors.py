@@ -63,6 +63,15 @@ class Timeout(KVStoreError):
     """
 
 
+class ViewsInUse(KVStoreError):
+    """``close()`` was refused: views of pages (or slices and numpy arrays made from them)
+    are still alive, and closing would let their buffers be reused under them.
+
+    Drop those objects (or copy what you need) and call ``close()`` again; the client
+    stays open and usable until then.
+    """
+
+
 class ServiceLost(KVStoreError):
     """The cache service this client talked to is gone (crashed or stopped).
 

@@ -114,13 +114,15 @@ def fuzz_ipc(seconds: float) -> dict[str, Any]:
     from kvstore import KVCacheClient
     from kvstore.config import ServiceConfig
     from kvstore.quickstart import page_bytes
+    from kvstore.service import protocol as P
     from kvstore.shm import arena as A
     from kvstore.testing import ServiceProcess, make_store
 
     ps = 16384
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-fuzz-"))
     rng = random.Random("ipc")
-    res: dict[str, Any] = {"target": "ipc", "inputs": 0, "answered": 0, "unanswered": 0}
+    res: dict[str, Any] = {"target": "ipc", "inputs": 0, "answered": 0, "unanswered": 0, "dropped": 0,
+                           "unconsumed": 0}
     try:
         dev = tmp / "dev.img"
         with open(dev, "wb") as f:
@@ -133,32 +135,61 @@ def fuzz_ipc(seconds: float) -> dict[str, Any]:
                 ch = evil._chan  # the hostile client writes its channel by hand
                 lease = evil._lease
                 t_end = time.monotonic() + seconds
-                rid = 1 << 40
+                seq = 1 << 40
                 while time.monotonic() < t_end:
+                    # a descriptor the service cannot hold (it holds only POSTED ones)
+                    free = [x for x in ch.desc if x.state != P.D_POSTED]
+                    if not free:
+                        for x in ch.desc:  # take the old posts back (unnamed by any record)
+                            x.set_state(P.D_FREE)
+                        continue
+                    d = rng.choice(free)
+                    di = d.index
                     n = rng.randint(0, ch.max_batch + 4)
-                    ch.keys[:] = np.frombuffer(rng.randbytes(ch.keys.size), np.uint8).reshape(ch.keys.shape)
+                    d.keys[:] = np.frombuffer(rng.randbytes(d.keys.size), np.uint8).reshape(d.keys.shape)
                     for i in range(ch.max_batch):
-                        ch.bufs[i] = rng.choice([rng.randrange(-5, 5000), lease.start + rng.randrange(len(lease))])
-                        ch.lengths[i] = rng.choice([0, ps, ps + 1, rng.randrange(1 << 32)])
+                        # out-of-range ids, other clients' ids, its own lease
+                        d.bufs[i] = rng.choice([rng.randrange(-5, 5000), rng.randrange(ch.max_batch),
+                                                lease.start + rng.randrange(len(lease))])
+                        d.lengths[i] = rng.choice([0, ps, ps + 1, rng.randrange(1 << 32)])
                     for b in lease:  # random states, including ones the protocol forbids
                         evil._arena.set_state(b, rng.randrange(5))
-                    rid += 1
-                    try:
-                        ch.requests.put_nowait((rid, rng.choice([0, 1, 2, 3, 4, 9, 2**32 - 1]), n,
-                                                rng.randrange(1 << 32), rng.randrange(-5, 5), rng.randrange(1 << 40)))
+                    seq += 1
+                    h = d.head
+                    h["seq"] = rng.choice([seq, seq, rng.randrange(1 << 60)])
+                    h["op"] = rng.choice([0, 1, 2, 3, 4, 5, 6, 9, 2**32 - 1])
+                    h["count"] = n
+                    h["flags"] = rng.randrange(1 << 32)
+                    d.set_cancel(rng.choice([0, 0, 1, rng.randrange(1 << 32)]))
+                    state = rng.choice([P.D_POSTED, P.D_POSTED, P.D_POSTED, P.D_FREE, rng.randrange(1 << 32)])
+                    d.set_state(state)
+                    named = rng.choice([di, di, di, rng.randrange(P.NDESC + 3)])
+                    try:  # a record naming this descriptor, another one, or none that exists
+                        ch.requests.put_nowait((seq, named, 0))
                     except Exception:
                         pass
                     evil._doorbell.release()
                     res["inputs"] += 1
+                    # a posted descriptor named by its record must be answered, whatever it holds;
+                    # any other record must at least be consumed
+                    must_answer = named == di and state == P.D_POSTED
                     deadline = time.monotonic() + 2.0
-                    answered = False
+                    ok = False
                     while time.monotonic() < deadline:
-                        if len(ch.responses):
-                            ch.responses.get_nowait()
-                            answered = True
+                        if must_answer and d.state == P.D_ANSWERED:
+                            ok = True
+                            break
+                        if not must_answer and len(ch.requests) == 0:
+                            ok = True
                             break
                         time.sleep(0.0002)
-                    res["answered" if answered else "unanswered"] += 1
+                    for x in ch.desc:
+                        if x.state == P.D_ANSWERED:
+                            x.set_state(P.D_FREE)
+                    if must_answer:
+                        res["answered" if ok else "unanswered"] += 1
+                    else:
+                        res["dropped" if ok else "unconsumed"] += 1
                     if res["inputs"] % 50 == 0:  # the service still serves a good client, correctly
                         with good.get(good_keys) as b:
                             assert all(v is not None and bytes(v) == page_bytes(k, ps).tobytes()

@@ -20,7 +20,8 @@ def test_fuzz_every_decoder_briefly(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     res = {x["target"]: x for x in json.loads(out.read_text())}
     assert set(res) == {"ipc", "peer", "superblock", "header"}
-    assert res["ipc"]["inputs"] > 100 and res["ipc"]["unanswered"] == 0
+    assert res["ipc"]["inputs"] > 100 and res["ipc"]["unanswered"] == 0 and res["ipc"]["unconsumed"] == 0
+    assert res["ipc"]["answered"] > 30
     for t in ("peer", "superblock", "header"):
         assert res[t]["inputs"] > 1000 and res[t]["rejected"] > res[t]["inputs"] // 2
     assert max(x["max_rss_mib"] for x in res.values()) < 1024

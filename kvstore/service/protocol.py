@@ -2,29 +2,53 @@
 
 Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)::
 
-    client -> service  {"v": 1, "op": "hello", "pid": int, "tenant": str}
-    service -> client  {"v": 1, "ok": true, "client_id": int, "page_size": int,
+    client -> service  {"v": 2, "op": "hello", "tenant": str}
+    service -> client  {"v": 2, "ok": true, "client_id": int, "page_size": int,
                         "max_batch": int, "lease_start": int, "lease_count": int,
                         "arena": str, "control": str, "states_offset": int,
                         "segment": str, "sem": str, "doorbell": str,
-                        "service_pid": int, "store": str, "server": str}
-                   or  {"v": 1, "ok": false, "error": str, "kind": str}
+                        "service_pid": int, "store": str, "server": str, "tenant": str}
+                   or  {"v": 2, "ok": false, "error": str, "kind": str}
 
-The socket stays open for the life of the connection: its EOF tells the
-service the client is gone (and the client that the service is gone).
+The service reads the hello without blocking (a state machine fed by its loop)
+and drops a client whose hello is not complete within ``HELLO_DEADLINE_S``, is
+larger than ``MAX_FRAME`` or is not a valid map. Who connected (pid, uid, gid)
+comes from the socket (``SO_PEERCRED``), never from the hello. The socket stays
+open for the life of the connection with nothing more sent on it: its EOF
+tells the service the client is gone (and the client that the service is
+gone); any byte sent after the hello is a protocol violation that ends the
+connection.
 
 Connection segment layout (``ClientChannel``)::
 
-    requests   Ring of MSG (capacity RING_CAP), client -> service
-    responses  Ring of MSG (capacity RING_CAP), service -> client
-    keys       max_batch x 32 bytes: BLAKE2b-256 of each key (unsalted; the
-               service mixes in the tenant salt)
-    bufs       max_batch x i32: arena buffer index per key (get, put)
-    lengths    max_batch x u32: payload bytes per key (put in, get out)
-    results    max_batch x i32: R_* per key, written by the service
+    requests     Ring of REQ (capacity NDESC), client -> service: "descriptor d holds request seq"
+    descriptors  NDESC x Descriptor: a DESC_HEAD (64 bytes), then
+                     keys     max_batch x 32 bytes: BLAKE2b-256 of each key (unsalted;
+                              the service mixes in the tenant salt)
+                     bufs     max_batch x i32: arena buffer index per key (get, put)
+                     lengths  max_batch x u32: payload bytes per key (put)
+                     results  max_batch x i32: R_* per key (written by the service when it answers)
+                 each padded to a multiple of 64 bytes
 
-One request is outstanding per connection at a time (the client serializes
-its calls), so the batch arrays are not shared between requests.
+Ownership (the invariant the first version lacked): a descriptor belongs to
+exactly one side at a time, named by its ``state`` word (store-release to hand
+it on, load-acquire to take it):
+
+    D_FREE -> D_POSTED      client filled it and posts it          (client)
+    D_POSTED -> D_ANSWERED  service wrote results, status, value   (service)
+    D_ANSWERED -> D_FREE    client read the answer                 (client)
+
+While a descriptor is D_POSTED the client does not write it (except the
+``cancel`` word) and the service reads it exactly once, at intake, copying
+the op, keys, buffer ids and lengths into its own memory: nothing the service
+acts on afterwards lives where a client can rewrite it. The service writes
+only at the answer, and only to a descriptor it took and has not answered. A
+call that times out sets ``cancel`` and leaves the descriptor (and its
+buffers) with the service; the next call uses another descriptor. The service
+answers every request it took, a cancelled one with ``S_CANCELLED`` (not
+executed if still queued; a get's buffers come back FREE), which hands the
+descriptor back. With all descriptors held by the service, a call waits for
+one (up to its timeout).
 """
 
 from __future__ import annotations
@@ -36,11 +60,13 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..ioworkers.aio import FFI, LIB
 from ..shm.ring import Ring
 
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 1 << 16
-RING_CAP = 8
+HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
+NDESC = 8                # request descriptors per connection (requests in flight, timed-out ones included)
 
 OP_LOOKUP = 1
 OP_GET = 2
@@ -51,11 +77,12 @@ OP_UNPIN = 6
 
 FLAG_WAIT = 1
 
-# request / response status
+# request status (DESC_HEAD.status)
 S_OK = 0
 S_BAD_REQUEST = 1
 S_TOO_LARGE = 2
 S_SHUTTING_DOWN = 3
+S_CANCELLED = 4      # the client cancelled it (timed out); results are not meaningful
 
 # per-key results
 R_MISS = 0
@@ -67,28 +94,49 @@ R_QUEUED = 5     # accepted, the write completes later (put without wait)
 R_PINNED = 6     # pin: pinned (or already pinned); unpin: unpinned
 R_QUOTA = 7      # pin: the tenant's pin quota is reached
 
-#: one ring record, 32 bytes
-MSG = np.dtype([
-    ("req_id", "<u8"),   # client-chosen, echoed in the response
-    ("op", "<u4"),       # OP_* (1 lookup, 2 get, 3 put, 4 ping, 5 pin, 6 unpin)
-    ("count", "<u4"),    # keys in the batch arrays
-    ("flags", "<u4"),    # FLAG_*
-    ("status", "<i4"),   # S_* (response)
-    ("value", "<i8"),    # lookup: leading keys available (response)
+# descriptor ownership (DESC_HEAD.state)
+D_FREE = 0
+D_POSTED = 1
+D_ANSWERED = 2
+
+#: one request ring record, 16 bytes
+REQ = np.dtype([
+    ("seq", "<u8"),      # the request's sequence number (also in its descriptor)
+    ("desc", "<u4"),     # descriptor index, < NDESC
+    ("pad", "<u4"),
 ])
-assert MSG.itemsize == 32
+assert REQ.itemsize == 16
+
+#: head of a descriptor, 64 bytes (one cache line)
+DESC_HEAD = np.dtype([
+    ("state", "<u4"),    # D_*: who owns the descriptor (atomic)
+    ("cancel", "<u4"),   # 1: the client gave up on this request (atomic, client writes)
+    ("seq", "<u8"),      # client: sequence number of the posted request
+    ("op", "<u4"),       # client: OP_*
+    ("count", "<u4"),    # client: keys in the batch arrays
+    ("flags", "<u4"),    # client: FLAG_*
+    ("status", "<i4"),   # service: S_*
+    ("value", "<i8"),    # service: lookup: leading keys available; pin: pages pinned
+    ("answered", "<u8"), # service: seq of the request this answer is for
+    ("pad", "<u8", 2),
+])
+assert DESC_HEAD.itemsize == 64
 
 
-class ClientChannel:
-    """Views over one connection's segment (both sides build the same views)."""
+def _round64(n: int) -> int:
+    return (n + 63) // 64 * 64
 
-    def __init__(self, buf: Any, max_batch: int) -> None:
-        self.max_batch = max_batch
-        o = 0
-        self.requests = Ring(buf, o, RING_CAP, MSG)
-        o += Ring.nbytes(RING_CAP, MSG)
-        self.responses = Ring(buf, o, RING_CAP, MSG)
-        o += Ring.nbytes(RING_CAP, MSG)
+
+class Descriptor:
+    """Views over one request descriptor (see the module docstring for who may touch what when)."""
+
+    def __init__(self, buf: Any, base: Any, offset: int, max_batch: int, index: int) -> None:
+        self.index = index
+        """Position in the connection's descriptor array (what a REQ record names)."""
+        self.head = np.frombuffer(buf, dtype=DESC_HEAD, count=1, offset=offset)
+        self._state = FFI.cast("uint32_t *", base + offset)
+        self._cancel = FFI.cast("uint32_t *", base + offset + 4)
+        o = offset + DESC_HEAD.itemsize
         self.keys = np.frombuffer(buf, dtype=np.uint8, count=32 * max_batch, offset=o).reshape(max_batch, 32)
         o += 32 * max_batch
         self.bufs = np.frombuffer(buf, dtype="<i4", count=max_batch, offset=o)
@@ -99,14 +147,68 @@ class ClientChannel:
 
     @staticmethod
     def nbytes(max_batch: int) -> int:
+        """Bytes of one descriptor."""
+        return _round64(DESC_HEAD.itemsize + max_batch * (32 + 12))
+
+    @property
+    def state(self) -> int:
+        """Owner state (load-acquire)."""
+        return int(LIB.kv_load_acquire_u32(self._state))
+
+    def set_state(self, state: int) -> None:
+        """Hand the descriptor on (store-release). Only its current owner may call this."""
+        LIB.kv_store_release_u32(self._state, state)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the client gave up on the request (load-acquire)."""
+        return bool(LIB.kv_load_acquire_u32(self._cancel))
+
+    def set_cancel(self, v: int) -> None:
+        """Client: mark the posted request cancelled (1), or clear the mark before posting (0)."""
+        LIB.kv_store_release_u32(self._cancel, v)
+
+
+class ClientChannel:
+    """Views over one connection's segment (both sides build the same views)."""
+
+    def __init__(self, buf: Any, max_batch: int) -> None:
+        self.max_batch = max_batch
+        base = FFI.from_buffer(buf)
+        self._keep = base
+        self.requests = Ring(buf, 0, NDESC, REQ)
+        o = Ring.nbytes(NDESC, REQ)
+        self.desc: list[Descriptor] = []
+        for i in range(NDESC):
+            self.desc.append(Descriptor(buf, base, o, max_batch, i))
+            o += Descriptor.nbytes(max_batch)
+
+    @staticmethod
+    def nbytes(max_batch: int) -> int:
         """Size of a connection segment."""
-        return 2 * Ring.nbytes(RING_CAP, MSG) + max_batch * (32 + 12)
+        return Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch)
+
+
+def encode_frame(obj: dict[str, Any]) -> bytes:
+    """One length-prefixed msgpack map."""
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack("<I", len(data)) + data
+
+
+def decode_frame(data: bytes) -> dict[str, Any]:
+    """Decode a frame's body; ``ValueError`` unless it is a msgpack map."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for garbage
+        raise ValueError(f"frame is not valid msgpack: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("frame is not a map")
+    return obj
 
 
 def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     """Send one length-prefixed msgpack map."""
-    data = msgpack.packb(obj, use_bin_type=True)
-    sock.sendall(struct.pack("<I", len(data)) + data)
+    sock.sendall(encode_frame(obj))
 
 
 def recv_frame(sock: socket.socket) -> dict[str, Any]:
@@ -115,10 +217,7 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     (n,) = struct.unpack("<I", head)
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-    obj = msgpack.unpackb(_recv_exact(sock, n), raw=False, strict_map_key=True)
-    if not isinstance(obj, dict):
-        raise ValueError("frame is not a map")
-    return obj
+    return decode_frame(_recv_exact(sock, n))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -129,3 +228,30 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("connection closed")
         buf += chunk
     return bytes(buf)
+
+
+class HelloReader:
+    """Non-blocking reader of one hello frame, fed whatever bytes arrived.
+
+    ``feed`` returns the decoded map once the frame is complete, None while it
+    is not, and raises ``ValueError`` for an oversized or malformed frame or
+    bytes beyond the frame. The caller enforces the deadline.
+    """
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> dict[str, Any] | None:
+        """Add received bytes; the hello when complete."""
+        self.buf += data
+        if len(self.buf) < 4:
+            return None
+        (n,) = struct.unpack_from("<I", self.buf)
+        if n > MAX_FRAME:
+            raise ValueError(f"hello frame of {n} bytes exceeds {MAX_FRAME}")
+        if len(self.buf) < 4 + n:
+            return None
+        if len(self.buf) > 4 + n:
+            raise ValueError("bytes after the hello frame")
+        return decode_frame(bytes(self.buf[4:]))

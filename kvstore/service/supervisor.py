@@ -57,6 +57,7 @@ from ..storage.device import verify_store
 from ..storage.header import HEADER_BLOCK
 from . import protocol as P
 from .allocator import Allocator, Generations
+from .connections import Conn, Handshakes, PeerCred, Request, answer, give_back, take
 from .rebuild import scan_devices
 from .sync import SyncLink, new_epoch
 
@@ -76,42 +77,6 @@ def salted_words(keys: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any
         h.update(raw[i:i + 32])
         out.append(h.digest())
     return np.frombuffer(b"".join(out), dtype="<u8").reshape(-1, 4)
-
-
-@dataclass
-class Request:
-    """A client request being served."""
-
-    conn: Conn
-    req_id: int
-    op: int
-    count: int
-    flags: int
-    t0: float
-    outstanding: int = 0
-    responded: bool = False
-    quarantined: set[int] = field(default_factory=set)
-
-
-@dataclass
-class Conn:
-    """One client connection."""
-
-    id: int
-    sock: socket.socket
-    seg: Segment
-    chan: P.ClientChannel
-    sem: posix_ipc.Semaphore
-    sem_name: str
-    lease_start: int
-    lease_count: int
-    pid: int
-    salt: bytes = b""
-    tenant: str = ""
-    tenant_id: int = -1
-    alive: bool = True
-    busy: Request | None = None
-    ops: int = 0  # I/Os in flight that use this connection's buffers
 
 
 @dataclass
@@ -142,6 +107,9 @@ class WorkerSlot:
     wake_name: str
     proc: Any = None
     restarts: int = 0
+    old: Any = None          # a lost worker still exiting; the replacement waits for it
+    lost_at: float = 0.0
+    warned: bool = False
 
 
 class Supervisor:
@@ -168,7 +136,10 @@ class Supervisor:
         self.next_tag = 1
         self.rr = 0
         self.lsock: socket.socket | None = None
-        self.zombies: list[tuple[Any, list[int]]] = []
+        self.zombies: list[tuple[Any, list[tuple[Conn, int]]]] = []
+        self.old_agent: Any = None
+        self.old_agent_at = 0.0
+        self.handshakes: Handshakes | None = None
         self.sync: SyncLink | None = None
         self.agent: Any = None
         self.agent_restarts = 0
@@ -384,11 +355,43 @@ class Supervisor:
             if len(new.servers) > 1:
                 self._start_sync()
             return
-        # the agent takes its peers and the keys it admits at spawn: replace it
-        self._stop_agent()
-        self._spawn_agent()
+        # the agent takes its peers and the keys it admits at spawn: replace it, without
+        # waiting here (the new one binds the same addresses once the old one has exited)
+        self._replace_agent()
+
+    def _replace_agent(self) -> None:
+        """Ask the agent to stop; ``_check_agent_stop`` (polled) spawns its successor once it is gone."""
+        if self.agent is None:
+            if self.old_agent is None:
+                self._spawn_agent()
+            return
+        if self.agent.is_alive():
+            self.agent.terminate()
+        self.old_agent = self.agent
+        self.old_agent_at = time.monotonic()
+        self.agent = None
+        self._check_agent_stop()
+
+    def _check_agent_stop(self) -> None:
+        old = self.old_agent
+        if old is None:
+            return
+        if old.is_alive():
+            if time.monotonic() - self.old_agent_at > 5.0:
+                old.kill()  # SIGTERM ignored for 5 s: the replacement must not wait for ever
+            return
+        old.join(0)
+        self.old_agent = None
+        if not self.stop and self.agent is None:
+            self._spawn_agent()
 
     def _stop_agent(self) -> None:
+        """Stop the agent and wait for it (shutdown only: the loop never waits for a process)."""
+        if self.old_agent is not None:
+            if self.old_agent.is_alive():
+                self.old_agent.kill()
+            self.old_agent.join(5.0)
+            self.old_agent = None
         if self.agent is None:
             return
         if self.agent.is_alive():
@@ -480,6 +483,7 @@ class Supervisor:
         s.listen(64)
         s.setblocking(False)
         self.lsock = s
+        self.handshakes = Handshakes(s)
 
     # ---- index helpers ----------------------------------------------------------------------
     def _own_device(self, gid: int) -> int | None:
@@ -487,46 +491,47 @@ class Supervisor:
         return d if a == self.area else None
 
     # ---- connections -------------------------------------------------------------------------
-    def _accept(self) -> None:
-        assert self.lsock is not None
-        while True:
+    def _poll_sockets(self) -> None:
+        assert self.handshakes is not None
+        done, dropped = self.handshakes.poll()
+        for why in dropped:
+            self.log.warning("client handshake dropped", reason=why)
+        self.stats.set("handshakes_dropped", self.handshakes.dropped)
+        for s, cred, msg in done:
             try:
-                s, _ = self.lsock.accept()
-            except BlockingIOError:
-                return
-            try:
-                s.settimeout(2.0)
-                self._hello(s)
+                self._open_conn(s, cred, msg)
             except Exception as e:  # a bad client must never take the service down
-                self.log.warning("client hello failed", error=str(e))
+                self.log.warning("client hello failed", error=str(e), pid=cred.pid)
                 s.close()
+        self._reap()
 
-    def _hello(self, s: socket.socket) -> None:
-        msg = P.recv_frame(s)
+    def _refuse(self, s: socket.socket, kind: str, error: str) -> None:
+        try:
+            s.send(P.encode_frame({"v": P.VERSION, "ok": False, "kind": kind, "error": error}))
+        except OSError:
+            pass
+        s.close()
+
+    def _open_conn(self, s: socket.socket, cred: PeerCred, msg: dict[str, Any]) -> None:
         if msg.get("v") != P.VERSION or msg.get("op") != "hello":
-            P.send_frame(s, {"v": P.VERSION, "ok": False, "kind": "protocol",
-                             "error": f"expected a version {P.VERSION} hello"})
-            s.close()
-            return
+            return self._refuse(s, "protocol", f"expected a version {P.VERSION} hello "
+                                "(client and service of different kvstore versions?)")
         if len(self.conns) >= self.cfg.service.max_clients:
             self._reap()  # a client that just closed must not hold a place against this one
-        tenant = msg.get("tenant", "")
+        asked = msg.get("tenant", "")
         try:
-            if not isinstance(tenant, str):
+            if not isinstance(asked, str):
                 raise ValueError("tenant must be a string")
+            tenant = self.cfg.tenant_for(asked, cred.uid, cred.groups())
             salt = self.cfg.tenant_salt(tenant)
-        except ValueError as e:
-            P.send_frame(s, {"v": P.VERSION, "ok": False, "kind": "tenant", "error": str(e)})
-            s.close()
-            return
+        except (ValueError, KVStoreError) as e:
+            self.log.warning("client refused: tenant", pid=cred.pid, uid=cred.uid, tenant=str(asked)[:64])
+            return self._refuse(s, "tenant", str(e))
         used = {c.id for c in self.conns.values()}
         free = [i for i in range(self.cfg.service.max_clients) if i not in used]
         if not free or self.stop:
-            P.send_frame(s, {"v": P.VERSION, "ok": False, "kind": "busy",
-                             "error": f"the service has its maximum of {self.cfg.service.max_clients} clients"
-                             " (service.max_clients in the store config)"})
-            s.close()
-            return
+            return self._refuse(s, "busy", f"the service has its maximum of {self.cfg.service.max_clients} "
+                                "clients (service.max_clients in the store config)")
         cid = free[0]
         nb = self.cfg.service.client_buffers
         start = cid * nb
@@ -537,45 +542,54 @@ class Supervisor:
         sem_name = self.prefix + f"c{cid}.s"
         sem = create_semaphore(sem_name, self.mode, self.group)
         tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
-        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, int(msg.get("pid", 0)),
-                    salt, tenant, tid)
-        P.send_frame(s, {
-            "v": P.VERSION, "ok": True, "client_id": cid, "page_size": self.cfg.page_size, "max_batch": nb,
-            "lease_start": start, "lease_count": nb, "arena": self.prefix + "arena",
-            "control": self.prefix + "control", "states_offset": self.states_off, "arena_count": self.arena_count,
-            "segment": seg.name, "sem": sem_name, "doorbell": self.prefix + "bell",
-            "service_pid": os.getpid(), "store": self.cfg.name, "server": self.server,
-            "stats": self.prefix + "stats"})
-        s.setblocking(False)
+        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, cred, salt, tenant, tid)
         self.conns[cid] = conn
+        try:
+            s.send(P.encode_frame({
+                "v": P.VERSION, "ok": True, "client_id": cid, "page_size": self.cfg.page_size, "max_batch": nb,
+                "lease_start": start, "lease_count": nb, "arena": self.prefix + "arena",
+                "control": self.prefix + "control", "states_offset": self.states_off,
+                "arena_count": self.arena_count, "segment": seg.name, "sem": sem_name,
+                "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": self.cfg.name,
+                "server": self.server, "stats": self.prefix + "stats", "tenant": tenant}))
+        except OSError as e:  # a fresh socket's buffer takes a hello answer; failing here means it is gone
+            conn.alive = False
+            s.close()
+            self.log.warning("client hello failed", error=str(e), pid=cred.pid)
+            return
         self.stats.add("clients_total")
-        self.log.info("client connected", client=cid, pid=conn.pid, tenant=tenant)
-
-    def _poll_sockets(self) -> None:
-        self._accept()
-        self._reap()
+        self.log.info("client connected", client=cid, pid=cred.pid, uid=cred.uid, tenant=tenant)
 
     def _reap(self) -> None:
-        """Notice clients that closed their socket; drop them once no I/O uses their buffers."""
+        """Notice clients that closed their socket (or broke the protocol by sending on it);
+        drop them once no I/O uses their buffers."""
         socks = [c.sock for c in self.conns.values() if c.alive]
-        if not socks:
-            return
-        r, _, _ = select.select(socks, [], [], 0)
-        for s in r:
-            conn = next(c for c in self.conns.values() if c.sock is s)
-            try:
-                data = s.recv(4096)
-            except OSError:
-                data = b""
-            if not data:  # EOF: the client is gone (closed or died)
+        if socks:
+            r, _, _ = select.select(socks, [], [], 0)
+            for s in r:
+                conn = next(c for c in self.conns.values() if c.sock is s)
+                try:
+                    data = s.recv(64)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    self.log.warning("client sent bytes after its hello; disconnected", client=conn.id,
+                                     pid=conn.pid)
+                else:  # EOF: the client is gone (closed or died)
+                    self.log.info("client disconnected", client=conn.id, pid=conn.pid)
                 conn.alive = False
                 s.close()
-                self.log.info("client disconnected", client=conn.id, pid=conn.pid)
         for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
             self._drop_conn(conn)
 
     def _drop_conn(self, conn: Conn) -> None:
         del self.conns[conn.id]
+        conn.alive = False
+        for b in list(conn.inuse):  # e.g. a put answered early whose write failed to dispatch
+            if self.arena.state(b) != A.QUARANTINE:
+                give_back(conn, b, self.arena, A.FREE)
         conn.seg.close()
         conn.seg.unlink()
         conn.sem.close()
@@ -583,6 +597,7 @@ class Supervisor:
 
     # ---- requests ----------------------------------------------------------------------------
     def _serve_clients(self) -> int:
+        """Take at most one request per connection per loop turn (no client can starve another)."""
         n = 0
         for conn in list(self.conns.values()):
             if not conn.alive or conn.busy is not None:
@@ -592,7 +607,15 @@ class Supervisor:
             except Exception:
                 continue
             n += 1
-            self._handle(conn, m)
+            got = take(conn, m, self.arena)
+            if got is None:
+                self.stats.add("requests_rejected")
+                continue
+            if isinstance(got, int):
+                self.stats.add("requests_rejected")
+                answer(conn, int(m["desc"]), int(m["seq"]), got)
+                continue
+            self._handle(got)
         return n
 
     def _respond(self, req: Request, status: int = P.S_OK, value: int = 0) -> None:
@@ -600,34 +623,23 @@ class Supervisor:
         req.responded = True
         if conn.busy is req:
             conn.busy = None
-        if not conn.alive:
-            return
-        try:
-            conn.chan.responses.put_nowait((req.req_id, req.op, req.count, req.flags, status, value))
-            conn.sem.release()
-        except Exception:
-            self.log.warning("client response ring full; response dropped", client=conn.id)
+        answer(conn, req.desc, req.seq, status, value, req.results)
 
-    def _handle(self, conn: Conn, m: Any) -> None:
-        op, count, flags, rid = int(m["op"]), int(m["count"]), int(m["flags"]), int(m["req_id"])
-        req = Request(conn, rid, op, count, flags, time.monotonic())
-        ch = conn.chan
+    def _handle(self, req: Request) -> None:
+        op = req.op
+        if req.cancelled:  # the client timed out before we got to it: do nothing, give everything back
+            for b in req.bufs:
+                give_back(req.conn, b, self.arena, A.FREE)
+            self.stats.add("requests_cancelled")
+            return self._respond(req, P.S_CANCELLED)
         if op == P.OP_PING:
             return self._respond(req)
-        if op not in (P.OP_LOOKUP, P.OP_GET, P.OP_PUT, P.OP_PIN, P.OP_UNPIN) or not 0 < count <= ch.max_batch:
-            return self._respond(req, P.S_TOO_LARGE if count > ch.max_batch else P.S_BAD_REQUEST)
-        if op in (P.OP_GET, P.OP_PUT):
-            bufs = ch.bufs[:count]
-            lo, hi = conn.lease_start, conn.lease_start + conn.lease_count
-            if (bufs < lo).any() or (bufs >= hi).any() or len(set(bufs.tolist())) != count \
-                    or any(self.arena.state(int(b)) != A.SERVICE for b in bufs):
-                return self._respond(req, P.S_BAD_REQUEST)
-        words = salted_words(ch.keys[:count], conn.salt)
+        words = salted_words(req.keys, req.conn.salt)
         if op == P.OP_LOOKUP:
             return self._lookup(req, words)
         if op in (P.OP_PIN, P.OP_UNPIN):
             return self._pin(req, words, op == P.OP_PIN)
-        conn.busy = req
+        req.conn.busy = req
         if op == P.OP_GET:
             return self._get(req, words)
         return self._put(req, words)
@@ -635,7 +647,7 @@ class Supervisor:
     def _lookup(self, req: Request, words: np.ndarray[Any, Any]) -> None:
         gids = self.index.lookup(words, self.local)
         hit = gids >= 0
-        req.conn.chan.results[:req.count] = np.where(hit, P.R_HIT, P.R_MISS)
+        req.results[:] = np.where(hit, P.R_HIT, P.R_MISS)
         if hit.any():
             self.alloc.touch(gids[hit])
         lead = int(np.argmin(hit)) if not hit.all() else len(hit)
@@ -645,25 +657,29 @@ class Supervisor:
 
     def _pin(self, req: Request, words: np.ndarray[Any, Any], pin: bool) -> None:
         conn = req.conn
-        ch = conn.chan
+        res = req.results
         gids = self.index.lookup(words, self.local)
         quota = self.cfg.pin_quota_for(conn.tenant, sum(len(r) for r in self.own))
         done = 0
         for i, g in enumerate(gids.tolist()):
             if g < 0 or not self.local[g]:
-                ch.results[i] = P.R_MISS  # only pages in this server's own areas can be pinned here
+                res[i] = P.R_MISS  # only pages in this server's own areas can be pinned here
             elif not pin:
-                ch.results[i] = P.R_PINNED if self.alloc.unpin_client(g, conn.tenant_id) else P.R_MISS
+                res[i] = P.R_PINNED if self.alloc.unpin_client(g, conn.tenant_id) else P.R_MISS
             elif self.alloc.pin_client(g, conn.tenant_id, quota):
-                ch.results[i] = P.R_PINNED
+                res[i] = P.R_PINNED
             else:
-                ch.results[i] = P.R_QUOTA
-            done += int(ch.results[i] == P.R_PINNED)
+                res[i] = P.R_QUOTA
+            done += int(res[i] == P.R_PINNED)
         self._respond(req, P.S_OK, done)
 
     def _dispatch(self, req: Request, i: int, gid: int, buf: int, op: int, words: np.ndarray[Any, Any],
-                  length: int) -> None:
+                  length: int) -> bool:
+        """Queue one I/O on its device's worker; False when that worker is being replaced."""
         d, a, s = self.smap.locate(gid)
+        w = self.workers[d]
+        if w.proc is None:
+            return False
         sb = self.sbs[d]
         tag = self.next_tag
         self.next_tag += 1
@@ -671,28 +687,30 @@ class Supervisor:
         xfer = HEADER_BLOCK + (length + 4095) // 4096 * 4096
         rec = (tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, int(e["gen"]),
                int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0, s, length)
-        w = self.workers[d]
         (w.rings.reads if op == OP_READ else w.rings.writes).put_nowait(np.array(rec, dtype=IO_REQUEST))
         self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, int(e["gen"]), time.monotonic())
         req.outstanding += 1
         req.conn.ops += 1
         w.wake.release()
+        return True
 
     def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        ch = req.conn.chan
         gids = self.index.lookup(words, self.local)
-        ch.results[:req.count] = P.R_MISS
+        req.results[:] = P.R_MISS
         self.stats.add("gets")
         found = np.nonzero(gids >= 0)[0]
         self.stats.add("misses", req.count - len(found))
         for i in found:
             gid = int(gids[i])
             self.alloc.pin(gid)
-            self._dispatch(req, int(i), gid, int(ch.bufs[i]), OP_READ, words[i], int(self.slots["length"][gid]))
+            if not self._dispatch(req, int(i), gid, req.bufs[i], OP_READ, words[i],
+                                  int(self.slots["length"][gid])):
+                self.alloc.unpin(gid)
+                self.stats.add("misses")
         self._maybe_finish(req)
 
     def _put(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        ch = req.conn.chan
+        res = req.results
         n = req.count
         wait = bool(req.flags & P.FLAG_WAIT)
         present = self.index.lookup(words, self.local) >= 0
@@ -702,30 +720,39 @@ class Supervisor:
         ndev = len(self.workers)
         for i in range(n):
             key = words[i].tobytes()
-            buf = int(ch.bufs[i])
-            length = int(ch.lengths[i])
+            buf = req.bufs[i]
+            length = int(req.lengths[i])
             if present[i] or key in self.writing or key in seen or not 0 < length <= self.cfg.page_size:
-                ch.results[i] = P.R_SKIPPED if length else P.R_DROPPED
-                self.stats.add("put_skipped" if length else "put_dropped")
-                self.arena.set_state(buf, A.FREE)
+                res[i] = P.R_SKIPPED if 0 < length <= self.cfg.page_size else P.R_DROPPED
+                self.stats.add("put_skipped" if res[i] == P.R_SKIPPED else "put_dropped")
+                give_back(req.conn, buf, self.arena, A.FREE)
                 continue
             seen.add(key)
             gid = -1
+            dev = -1
             quota = self.cfg.quota_for(req.conn.tenant)
             for k in range(ndev):
                 d = (self.rr + k) % ndev
+                if self.workers[d].proc is None:
+                    continue  # its worker is being replaced
                 gid = self.alloc.allocate(d, req.conn.tenant_id, quota)
                 if gid >= 0:
+                    dev = d
                     break
             self.rr = (self.rr + 1) % ndev
             if gid < 0:
-                ch.results[i] = P.R_DROPPED
+                res[i] = P.R_DROPPED
                 self.stats.add("put_dropped")
-                self.arena.set_state(buf, A.FREE)
+                give_back(req.conn, buf, self.arena, A.FREE)
                 continue
             self.writing[key] = gid
-            ch.results[i] = P.R_QUEUED
-            self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length)
+            res[i] = P.R_QUEUED
+            if not self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length):
+                self.writing.pop(key, None)
+                self.alloc.abandon(gid, dev)
+                res[i] = P.R_DROPPED
+                self.stats.add("put_dropped")
+                give_back(req.conn, buf, self.arena, A.FREE)
         self.stats.set("evictions", self.alloc.evictions)
         if not wait:
             self._respond(req)
@@ -734,37 +761,42 @@ class Supervisor:
     def _maybe_finish(self, req: Request) -> None:
         if req.outstanding or req.responded:
             return
+        status = P.S_OK
         if req.op == P.OP_GET:
-            ch = req.conn.chan
-            for i in range(req.count):
-                b = int(ch.bufs[i])
+            # a cancelled get's pages go nowhere: the client gave up on them
+            cancelled = req.cancelled or not req.conn.alive
+            for i, b in enumerate(req.bufs):
                 if b in req.quarantined:
-                    ch.results[i] = P.R_MISS
-                elif req.conn.alive:
-                    self.arena.set_state(b, A.CLIENT)
+                    req.results[i] = P.R_MISS
+                    req.conn.inuse.discard(b)  # QUARANTINE: freed when the hung worker is reaped
                 else:
-                    self.arena.set_state(b, A.FREE)
+                    give_back(req.conn, b, self.arena, A.FREE if cancelled else A.CLIENT)
+            if cancelled:
+                status = P.S_CANCELLED
+                self.stats.add("requests_cancelled")
             self.stats.observe(0, time.monotonic() - req.t0)
-        self._respond(req)
+        elif req.cancelled:
+            status = P.S_CANCELLED
+            self.stats.add("requests_cancelled")
+        self._respond(req, status)
 
     # ---- completions -------------------------------------------------------------------------
     def _complete(self, op: Op, status: int) -> None:
         req = op.req
-        ch = req.conn.chan
+        res = req.results  # the service's own copy: written into the client's descriptor only at the answer
         req.outstanding -= 1
         req.conn.ops -= 1
         if op.op == OP_READ:
             self.alloc.unpin(op.gid)
             if status == ST_OK:
-                ch.results[op.index] = P.R_HIT  # gets are answered only once all their reads completed
-                ch.lengths[op.index] = op.length
+                res[op.index] = P.R_HIT  # gets are answered only once all their reads completed
                 if not self.local[op.gid] and len(self.hints) < 4096:
                     self.hints.append(op.gid)
                 self.stats.add("hits")
                 self.stats.add("pages_read")
                 self.stats.add("bytes_read", op.length)
             else:
-                ch.results[op.index] = P.R_MISS
+                res[op.index] = P.R_MISS
                 self.stats.add("misses")
                 if status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
                     self.stats.add("validation_failures")
@@ -789,23 +821,25 @@ class Supervisor:
                 self.index.insert(op.words, op.gid)
                 self._note(op.gid)
                 self._emit_stored([op.gid])
-                if not req.responded:  # a put without wait was answered already: the channel
-                    ch.results[op.index] = P.R_STORED  # belongs to the client's next call now
+                res[op.index] = P.R_STORED
                 self.stats.add("pages_written")
                 self.stats.add("bytes_written", op.length)
             else:
                 self.alloc.abandon(op.gid, op.device)
-                if not req.responded:
-                    ch.results[op.index] = P.R_DROPPED
+                res[op.index] = P.R_DROPPED
                 self.stats.add("put_dropped")
                 self.stats.add("io_errors")
-            if op.buf not in req.quarantined:
-                self.arena.set_state(op.buf, A.FREE)
+            if op.buf in req.quarantined:
+                req.conn.inuse.discard(op.buf)
+            else:
+                give_back(req.conn, op.buf, self.arena, A.FREE)
         self._maybe_finish(req)
 
     def _drain_completions(self) -> int:
         n = 0
         for w in self.workers:
+            if w.proc is None:
+                continue  # being replaced: its rings are reset before the new worker starts
             for c in w.rings.done.get_batch(256):
                 op = self.pending.pop(int(c["tag"]), None)
                 if op is None:
@@ -816,51 +850,86 @@ class Supervisor:
 
     # ---- workers -------------------------------------------------------------------------------
     def _check_workers(self) -> None:
-        now = time.monotonic()
-        tmo = self.cfg.worker.io_timeout_s
-        oldest: dict[int, float] = {}
-        for op in self.pending.values():
-            oldest[op.device] = min(oldest.get(op.device, now), op.t0)
+        """Replace dead or hung workers, never blocking the loop.
+
+        A worker is hung when an I/O it submitted to the device has been outstanding for
+        more than ``io_timeout_s`` (the age the worker publishes, counted from
+        ``io_submit``), or when it has work queued but its loop has not turned for that
+        long. Time a request spends queued in the ring behind reads is not held against
+        it: writes wait there by design (reads first)."""
+        now_ns = time.monotonic_ns()
+        tmo_ns = int(self.cfg.worker.io_timeout_s * 1e9)
         for w in self.workers:
+            if w.proc is None:
+                self._restart_worker(w)
+                continue
+            row = self.stats.device[w.device]
+            oldest = int(row[D["oldest_io_ns"]])
+            beat = int(row[D["loop_ns"]])
+            queued = any(op.device == w.device for op in self.pending.values()) if beat else False
             if not w.proc.is_alive():
                 self._worker_lost(w, f"exited with code {w.proc.exitcode}")
-            elif now - oldest.get(w.device, now) > tmo:
-                self._worker_lost(w, f"I/O outstanding for more than {tmo} s")
+            elif oldest and now_ns - oldest > tmo_ns:
+                self._worker_lost(w, f"a device I/O outstanding for more than {self.cfg.worker.io_timeout_s} s")
+            elif beat and queued and now_ns - beat > tmo_ns:
+                self._worker_lost(w, f"its loop stalled for more than {self.cfg.worker.io_timeout_s} s "
+                                  "with work queued")
         if self.agent is not None and not self.agent.is_alive() and not self.stop:
             self.log.warning("sync agent lost; restarting", pid=self.agent.pid, code=self.agent.exitcode)
-            self.agent.join(1.0)
+            self.agent.join(0)
+            self.agent = None
             self.agent_restarts += 1
             self.stats.set("sync_restarts", self.agent_restarts)
             self._spawn_agent()
+        self._check_agent_stop()
         for z in list(self.zombies):
-            proc, bufs = z
-            if not proc.is_alive():
-                for b in bufs:
-                    self.arena.set_state(b, A.FREE)
+            proc, held = z
+            if not proc.is_alive():  # no more DMA can land in its buffers
+                for conn, b in held:
+                    give_back(conn, b, self.arena, A.FREE)
                 self.zombies.remove(z)
 
     def _worker_lost(self, w: WorkerSlot, why: str) -> None:
+        """Kill the worker and fail its I/Os now; the replacement starts once the old process
+        is gone (``_restart_worker``, polled: the loop never waits for a process)."""
         self.log.warning("I/O worker lost; restarting", device=w.device, pid=w.proc.pid, reason=why)
         if w.proc.is_alive():
             w.proc.kill()
-        w.proc.join(5.0)
-        reaped = not w.proc.is_alive()  # the kernel ends a dead process's AIO before it is reaped
-        stuck: list[int] = []
+        dead = not w.proc.is_alive()  # the kernel ends a dead process's AIO before it is reaped
+        held: list[tuple[Conn, int]] = []
         for tag, op in [(t, o) for t, o in self.pending.items() if o.device == w.device]:
             del self.pending[tag]
-            if not reaped:
-                stuck.append(op.buf)
+            if not dead:
+                held.append((op.req.conn, op.buf))
                 op.req.quarantined.add(op.buf)
                 self.arena.set_state(op.buf, A.QUARANTINE)
             self._complete(op, ST_WORKER_LOST)
-        if stuck:
-            self.zombies.append((w.proc, stuck))
-        w.rings.reset()
+        self.zombies.append((w.proc, held))
+        self.stats.dev_set(w.device, "oldest_io_ns", 0)
+        self.stats.dev_set(w.device, "loop_ns", 0)
+        w.old = w.proc
+        w.proc = None
+        w.lost_at = time.monotonic()
         w.restarts += 1
         self.stats.add("worker_restarts")
         self.stats.dev_set(w.device, "restarts", w.restarts)
-        if not self.stop:
-            self._spawn(w)
+        self._restart_worker(w)
+
+    def _restart_worker(self, w: WorkerSlot) -> None:
+        """Start the replacement once the old worker has exited (it may still be in the kernel)."""
+        if self.stop or w.old is None:
+            return
+        if w.old.is_alive():
+            if time.monotonic() - w.lost_at > 5.0 and not w.warned:
+                w.warned = True
+                self.log.warning("old I/O worker still exiting; its device waits", device=w.device,
+                                 pid=w.old.pid)
+            return
+        w.old.join(0)
+        w.old = None
+        w.warned = False
+        w.rings.reset()
+        self._spawn(w)
 
     # ---- loop ----------------------------------------------------------------------------------
     def _gauges(self, full: bool) -> None:
@@ -949,6 +1018,9 @@ class Supervisor:
             self.metrics.shutdown()
             self.metrics.server_close()
             self.metrics = None
+        if self.handshakes is not None:
+            self.handshakes.close()
+            self.handshakes = None
         if self.lsock is not None:
             self.lsock.close()
             self.lsock = None
@@ -960,12 +1032,11 @@ class Supervisor:
         for w in self.workers:
             if w.proc is not None and w.proc.is_alive():
                 w.proc.terminate()
-        for w in self.workers:
-            if w.proc is not None:
-                w.proc.join(5.0)
-                if w.proc.is_alive():
-                    w.proc.kill()
-                    w.proc.join(5.0)
+        for proc in [p for w in self.workers for p in (w.proc, w.old) if p is not None]:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
         for conn in list(self.conns.values()):
             try:
                 conn.sock.close()

@@ -80,6 +80,10 @@ class Arena:
         start = i * self.bsize + BLOCK
         return self.mv[start:start + (self.page_size if length is None else length)]
 
+    def payload_array(self, i: int) -> np.ndarray[Any, Any]:
+        """Buffer ``i``'s payload as a u8 array over the mapping (its own exporter object)."""
+        return np.frombuffer(self._data, dtype=np.uint8, count=self.page_size, offset=i * self.bsize + BLOCK)
+
     def header(self, i: int) -> memoryview:
         """Writable view of buffer ``i``'s 4 KiB header block."""
         start = i * self.bsize

@@ -115,6 +115,12 @@ class ServiceCounters:
     """Service start time, ns since the epoch."""
     heartbeat_ns: int = 0
     """Last time the supervisor loop ran, ns since the epoch (staleness = hung service)."""
+    requests_rejected: int = 0
+    """Client requests refused as malformed (bad descriptor, sequence, op, count or buffer ids)."""
+    requests_cancelled: int = 0
+    """Client requests answered as cancelled (the client had timed out)."""
+    handshakes_dropped: int = 0
+    """Connections dropped during the hello: too slow, too large, malformed or too many at once."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,11 @@ class DeviceCounters:
     """Slots of this server's area on this device (gauge; the supervisor writes it)."""
     own_slots_valid: int = 0
     """Of those, slots holding a valid page (gauge, refreshed every second)."""
+    oldest_io_ns: int = 0
+    """Submit time (CLOCK_MONOTONIC ns) of the oldest I/O outstanding on the device; 0 when none.
+    The supervisor judges the worker's health by it."""
+    loop_ns: int = 0
+    """Last turn of the worker's loop (CLOCK_MONOTONIC ns)."""
 
 
 SERVICE_FIELDS = [f.name for f in dataclasses.fields(ServiceCounters)]

@@ -24,7 +24,8 @@ PS = 16 << 10
 
 def store(home: Path, devices: Any, slots: int, **cfg: Any) -> None:
     (dev,) = devices.make(1, (1 << 20) + slots * (4096 + PS))
-    c = make_store(home, "q", [dev], PS, service=ServiceConfig(client_buffers=16, max_clients=4))
+    c = make_store(home, "q", [dev], PS, service=ServiceConfig(client_buffers=16, max_clients=4,
+                                                                 trust_declared_tenant=True))
     if cfg:
         save_store(dataclasses.replace(c, **cfg), home)
 

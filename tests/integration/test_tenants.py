@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvstore import KVCacheClient, KVStoreError
-from kvstore.config import load_store, run_dir, save_store
+from kvstore.config import StoreConfig, load_store, run_dir, save_store
 from kvstore.quickstart import page_bytes
 from kvstore.testing import make_store
 
@@ -20,9 +20,15 @@ pytestmark = pytest.mark.integration
 PS = 16 << 10
 
 
+def trusting(cfg: StoreConfig, **changes: Any) -> StoreConfig:
+    """The config with declared tenants trusted (``service.trust_declared_tenant``): these tests
+    run every client as one user and name tenants at connect."""
+    return dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, trust_declared_tenant=True), **changes)
+
+
 def test_tenants_cannot_hit_or_read_each_other(home: Path, file_devices: Any, services: Any) -> None:
     (dev,) = file_devices.make(1, (1 << 20) + 100 * (4096 + PS))
-    make_store(home, "t", [dev], PS)
+    save_store(trusting(make_store(home, "t", [dev], PS)), home)
     services(home, "t")
     keys = [b"system-prompt/%d" % i for i in range(8)]
     pages = [page_bytes(k, PS) for k in keys]
@@ -48,7 +54,7 @@ def test_tenants_cannot_hit_or_read_each_other(home: Path, file_devices: Any, se
 def test_shared_namespace(home: Path, file_devices: Any, services: Any) -> None:
     (dev,) = file_devices.make(1, (1 << 20) + 100 * (4096 + PS))
     cfg = make_store(home, "t", [dev], PS)
-    save_store(dataclasses.replace(cfg, namespaces={"alice": "team", "bob": "team"}), home)
+    save_store(trusting(cfg, namespaces={"alice": "team", "bob": "team"}), home)
     services(home, "t")
     keys = [b"doc/%d" % i for i in range(4)]
     with KVCacheClient.connect("t", home=home, tenant="alice") as a, \

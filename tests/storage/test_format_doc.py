@@ -8,7 +8,7 @@ from pathlib import Path
 from kvstore.crdt.log import SYNC_REC
 from kvstore.crdt.register import REGISTER_DTYPE
 from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST
-from kvstore.service.protocol import MSG
+from kvstore.service.protocol import DESC_HEAD, REQ
 from kvstore.shm.index import ENTRY_DTYPE
 from kvstore.shm.slots import SLOT_DTYPE
 from kvstore.storage import header, superblock
@@ -31,13 +31,14 @@ def test_sizes_match() -> None:
     assert documented("index_entry") == ENTRY_DTYPE.itemsize
     assert documented("io_request") == IO_REQUEST.itemsize
     assert documented("io_completion") == IO_COMPLETION.itemsize
-    assert documented("client_msg") == MSG.itemsize
+    assert documented("client_req") == REQ.itemsize
+    assert documented("client_desc") == DESC_HEAD.itemsize
     assert documented("register") == REGISTER_DTYPE.itemsize
     assert documented("sync_rec") == SYNC_REC.itemsize
 
 
 def test_field_offsets_match() -> None:
-    for dt, name in [(IO_REQUEST, "io_request"), (SLOT_DTYPE, "slot_entry"), (MSG, "client_msg"),
+    for dt, name in [(IO_REQUEST, "io_request"), (SLOT_DTYPE, "slot_entry"), (REQ, "client_req"), (DESC_HEAD, "client_desc"),
                      (REGISTER_DTYPE, "register"), (SYNC_REC, "sync_rec")]:
         for field, (_t, off) in dt.fields.items():  # type: ignore[union-attr]
             if field == "pad":
