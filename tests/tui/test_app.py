@@ -103,15 +103,15 @@ async def test_live_peers_lag_and_warnings(home: Path, file_devices: Any, servic
         s.sendall(b"not a hello" * 10)
     src = LiveSource("d", home)
     assert wait_for(lambda: src.snapshot()["a"]["peers"].get("b", {}).get("heard_s") is not None)
-    assert wait_for(lambda: any(w["event"] == "client hello failed" for w in src.snapshot()["a"]["warnings"]))
+    assert wait_for(lambda: any(w["event"] == "client handshake dropped" for w in src.snapshot()["a"]["warnings"]))
     snap = src.snapshot()
-    w = next(w for w in snap["a"]["warnings"] if w["event"] == "client hello failed")
+    w = next(w for w in snap["a"]["warnings"] if w["event"] == "client handshake dropped")
     assert w["store"] == "d" and w["server"] == "a" and w["level"] == "warning"
     assert snap["a"]["peers"]["b"]["heard_s"] < 5 and snap["a"]["peers"]["b"]["behind"] == 0
     app = DashboardApp(src, interval=60)
     async with app.run_test(size=(160, 48)):
         assert app.query_one(SyncTable).get_row_at(0)[5].startswith("b ")
-        assert "client hello failed" in str(app.query_one(WarningsPanel).render())
+        assert "client handshake dropped" in str(app.query_one(WarningsPanel).render())
     # every line of the service's log names its store and server, workers' and agent's too
     lines = [json.loads(x) for x in sa.log.read_text().splitlines() if x.startswith("{")]
     assert {x.get("component") for x in lines} >= {"supervisor", "sync", "io0"}
