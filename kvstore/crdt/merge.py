@@ -2,8 +2,10 @@
 
 ``apply`` is what the supervisor runs on every batch of peers' records (and
 what the property tests check for the CRDT laws). It keeps, per slot, the
-register with the larger ``(gen, state)``; duplicates inside one batch are
-resolved the same way first, so the result does not depend on batch order.
+register that is greater in ``(gen, state, digest, length)`` order; duplicates inside one batch are
+resolved the same way first, so the result does not depend on batch order. The
+order is total over the whole register (``order_columns``), so two registers
+that tie on ``(gen, state)`` but differ in content still converge everywhere.
 """
 
 from __future__ import annotations
@@ -15,14 +17,31 @@ import numpy as np
 from ..shm.slots import SlotMap
 
 
-def order_key(gen: np.ndarray[Any, Any], state: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """(gen, state) as one sortable key: gen * 4 + state (states are < 4).
+_LOW32 = np.uint64(0xFFFF_FFFF)
 
-    Generations are below 2**62 (microseconds since the epoch stay far below), so
-    the product does not overflow a u64.
+
+def order_columns(gen: np.ndarray[Any, Any], state: np.ndarray[Any, Any], digest: np.ndarray[Any, Any],
+                  length: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The total order over whole registers, as an n x 7 u64 matrix compared row-wise,
+    lexicographically: ``(gen, state, d0, d1, d2, d3, length)``.
+
+    ``(gen, state)`` decide every case an honest owner produces; the digest and
+    length only break ties between registers that agree on both but differ in
+    content (a confused or forged owner, or a slot reused under a restored clock).
+    Without them the winner would be whichever arrived first, and replicas
+    could disagree for ever.
     """
-    key: np.ndarray[Any, Any] = gen.astype(np.uint64) * np.uint64(4) + state.astype(np.uint64)
-    return key
+    return np.column_stack([gen.astype(np.uint64), state.astype(np.uint64), digest.astype(np.uint64),
+                            length.astype(np.uint64)])
+
+
+def _greater(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Row-wise lexicographic ``a > b`` of two n x k matrices."""
+    diff = a != b
+    first = np.argmax(diff, axis=1)
+    rows = np.arange(len(a))
+    out: np.ndarray[Any, Any] = diff.any(axis=1) & (a[rows, first] > b[rows, first])
+    return out
 
 
 def gids_of(smap: SlotMap, recs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -36,7 +55,8 @@ def gids_of(smap: SlotMap, recs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 def apply(slots: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], recs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """Join ``recs`` (REGISTER_DTYPE) into ``slots`` at ``gids``; return the gids that changed.
 
-    Invariant kept: ``order_key(slots[g])`` never decreases.
+    Invariant kept: per slot, the register only grows in ``order_columns`` order, so
+    the result is the same whatever the order, grouping or duplication of batches.
 
     Both layouts are handled as rows of u64 words, which is what makes this fast:
     a slot entry is 6 words (gen, d0..d3, length|state|pad) and a register 7
@@ -48,24 +68,17 @@ def apply(slots: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], recs: np.ndar
         return np.zeros(0, dtype=np.int64)
     R = np.ascontiguousarray(recs).view("<u8").reshape(n, 7)
     S = slots.view("<u8").reshape(len(slots), 6)
-    k = R[:, 1] * np.uint64(4) + ((R[:, 6] >> np.uint64(32)) & np.uint64(0xFF))
-    # newest record per gid within the batch: group by gid, keep a record with the group's max key
-    order = np.argsort(gids, kind="stable")
+    k = order_columns(R[:, 1], (R[:, 6] >> np.uint64(32)) & np.uint64(0xFF), R[:, 2:6], R[:, 6] & _LOW32)
+    # the greatest record per gid within the batch: sort by gid, then by the order, keep each group's last
+    order = np.lexsort(tuple(k[:, c] for c in range(k.shape[1] - 1, -1, -1)) + (gids,))
     g_sorted = gids[order]
-    starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
-    if len(starts) == n:
-        pick = order
-    else:
-        k_sorted = k[order]
-        best = np.maximum.reduceat(k_sorted, starts)
-        is_best = k_sorted == np.repeat(best, np.diff(np.r_[starts, n]))
-        # first record holding the max of each group
-        first = np.flatnonzero(is_best & np.r_[True, ~(is_best[:-1] & (g_sorted[1:] == g_sorted[:-1]))])
-        pick = order[first]
+    last = np.r_[g_sorted[1:] != g_sorted[:-1], True]
+    pick = order[last]
     g = gids[pick]
     cur = S[g]
-    cur_k = cur[:, 0] * np.uint64(4) + ((cur[:, 5] >> np.uint64(32)) & np.uint64(0xFF))
-    newer = k[pick] > cur_k
+    cur_k = order_columns(cur[:, 0], (cur[:, 5] >> np.uint64(32)) & np.uint64(0xFF), cur[:, 1:5],
+                          cur[:, 5] & _LOW32)
+    newer = _greater(k[pick], cur_k)
     g = g[newer]
     if len(g):
         rows = R[pick[newer], 1:7]

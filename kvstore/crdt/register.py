@@ -2,7 +2,8 @@
 
 For every (device, area, slot) a register ``(generation, digest, length,
 state)``. Only the area's owner writes it. The join of two registers is the
-one with the larger ``(generation, state)``, compared lexicographically:
+greater in ``(generation, state, digest, length)`` order, compared
+lexicographically:
 
 * generations only grow for a slot (the owner's generation source), and every
   tombstone (RETIRED) takes a new generation, so "newer generation wins";
@@ -10,6 +11,11 @@ one with the larger ``(generation, state)``, compared lexicographically:
   a slot that a reader found corrupt is marked RETIRED locally at the same
   generation so that a re-delivered VALID copy of the same write cannot bring
   it back (the owner's next write, with a higher generation, does).
+
+* the digest and length only break ties an honest owner never produces (two
+  different registers with one generation and state: a confused or forged
+  owner); ordering by them keeps replicas from settling on whichever copy
+  arrived first.
 
 A total order makes the join commutative, associative and idempotent, so
 duplicated, reordered or lost-and-resent deltas converge (tests/crdt).

@@ -20,7 +20,7 @@ import pytest
 from kvstore import KVCacheClient
 from kvstore.client import key_id
 from kvstore.config import ServiceConfig
-from kvstore.errors import Timeout
+from kvstore.errors import Timeout, ViewsInUse
 from kvstore.quickstart import page_bytes
 from kvstore.service import protocol as P
 from kvstore.shm import arena as A
@@ -221,3 +221,34 @@ def test_lying_client_is_refused_and_changes_nobody_elses_pages(file_devices, ho
         with good.get(good_keys) as got:
             assert check_batch(good_keys, got) == (8, 0, 0)
         assert good.free_buffers() == good.max_batch
+
+
+def test_views_never_change_under_their_reader(file_devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    """An array or slice made from a view keeps its buffer out of use after release (and close
+    refuses while one lives); the view itself is invalid after release."""
+    devs = file_devices.make(1, dev_size(100))
+    make_store(home, "vw", devs, PS, service=ServiceConfig(client_buffers=4, max_clients=2))
+    services(home, "vw")
+    keys = keys_of("vw", 40)
+    c = KVCacheClient.connect("vw", home=home)
+    assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 40
+    with c.get(keys[:2]) as b:
+        view = b[0]
+        arr = np.frombuffer(b[0], np.uint8)       # an export of the view
+        part = b[1][100:200]                      # a slice of the other view
+    with pytest.raises(ValueError):
+        bytes(view)                               # the view itself was released
+    assert c.free_buffers() == 2                  # both buffers stay out while arr and part live
+    for s in range(2, 40, 2):                     # cycle the two other buffers many times
+        with c.get(keys[s:s + 2]) as b2:
+            assert check_batch(keys[s:s + 2], b2) == (2, 0, 0)
+    assert np.array_equal(arr, page_bytes(keys[0], PS))          # unchanged
+    assert bytes(part) == page_bytes(keys[1], PS).tobytes()[100:200]
+    with pytest.raises(ViewsInUse):
+        c.close()                                 # closing would let another client reuse them
+    assert c.lookup(keys[:1]) == 1                # still open and usable
+    del arr
+    assert c.free_buffers() == 3
+    del part
+    assert c.free_buffers() == 4
+    c.close()
