@@ -116,7 +116,8 @@ class Agent:
         self.router = self.t.router(p.router)
         self.subs = {x.area: self.t.subscriber(x.pub, x.public_key) for x in p.peers}
         self.dealers = {x.area: self.t.dealer(x.router, x.public_key, p.server.encode()) for x in p.peers}
-        self.by_name = {x.name.encode(): x.area for x in p.peers}
+        self.by_key = {x.public_key.decode(): x for x in p.peers}  # ZAP User-Id (z85 key) -> peer
+        self.route: dict[int, bytes] = {}  # peer area -> routing id its authenticated requests came from
         self.state = {x.area: PeerState() for x in p.peers}
         self.answers: dict[int, list[np.ndarray[Any, Any]]] = {x.area: [] for x in p.peers}
         self.pending: list[np.ndarray[Any, Any]] = []
@@ -210,13 +211,27 @@ class Agent:
         else:
             self.stats.add("sync_messages_rejected")
 
-    def _on_request(self, frames: list[bytes]) -> None:
-        if len(frames) != 2 or frames[0] not in self.by_name:
+    def _on_request(self, frames: list[Any]) -> None:
+        """A message on the ROUTER. The sender is the owner of the CURVE key that authenticated
+        the connection (the ZAP User-Id of the frame), never the routing id it chose; a routing
+        id that is not that peer's name is a spoofing attempt and is dropped."""
+        if len(frames) != 2:
             self.stats.add("sync_messages_rejected")
             return
-        peer = self.by_name[frames[0]]
         try:
-            m = decode(frames[1], self.smap, self.p.page_size, self.p.area)
+            who = self.by_key.get(frames[1].get("User-Id"))
+        except zmq.ZMQError:
+            who = None
+        if who is None or frames[0].bytes != who.name.encode():
+            self.stats.add("sync_messages_rejected")
+            log.warning("dropped a peer request whose routing id is not its key's owner",
+                        routing_id=frames[0].bytes[:64].decode("utf-8", "replace"),
+                        key_owner=who.name if who is not None else None)
+            return
+        peer = who.area
+        self.route[peer] = frames[0].bytes
+        try:
+            m = decode(frames[1].bytes, self.smap, self.p.page_size, self.p.area)
         except BadMessage:
             self.stats.add("sync_messages_rejected")
             return
@@ -286,7 +301,7 @@ class Agent:
                     self.answers[peer] = []
                     flags = int(r["state"])
                     self.router.send_multipart([
-                        next(x.name.encode() for x in self.p.peers if x.area == peer),
+                        self.route.get(peer) or next(x.name.encode() for x in self.p.peers if x.area == peer),
                         encode("a", self.p.area, self.p.epoch, int(r["seq"]), regs, next_seq=int(r["gen"]),
                                snapshot=bool(flags & END_SNAPSHOT), last=bool(flags & END_LAST))])
                     self.stats.add("sync_records_sent", len(regs))
@@ -301,7 +316,7 @@ class Agent:
             if self.router in events:
                 for _ in range(1000):
                     try:
-                        self._on_request(self.router.recv_multipart(zmq.NOBLOCK))
+                        self._on_request(self.router.recv_multipart(zmq.NOBLOCK, copy=False))
                     except zmq.Again:
                         break
             for s in [*self.subs.values(), *self.dealers.values()]:

@@ -112,6 +112,11 @@ class SyncLink:
         if not len(recs):
             return 0
         remote = recs[recs["kind"] == K_REMOTE]
+        # re-checked here, not only in the agent: a register is merged only from its area's owner
+        bad = remote["area"] != remote["peer"]
+        if bad.any():
+            self.stats.add("sync_messages_rejected", int(bad.sum()))
+            remote = remote[~bad]
         if len(remote) and self.denied.any():
             remote = remote[~self.denied[np.minimum(remote["area"], len(self.denied) - 1)]]
         if len(remote):
@@ -128,6 +133,10 @@ class SyncLink:
                 self.index.index_slots(valid)
                 self.stats.add("sync_records_merged", len(changed))
         hints = recs[recs["kind"] == K_HINT]
+        bad = hints["area"] != self.area  # hints name our own slots only
+        if bad.any():
+            self.stats.add("sync_messages_rejected", int(bad.sum()))
+            hints = hints[~bad]
         if len(hints) and self.denied.any():
             hints = hints[~self.denied[np.minimum(hints["peer"], len(self.denied) - 1)]]
         if len(hints) and self.on_hint is not None:

@@ -254,3 +254,36 @@ def test_hit_hints_keep_pages_peers_read(home: Path, file_devices: Any, services
         held = c.contains(first)
     assert all(held[5:10]), held          # the pages b read survived
     assert sum(held) == 9, held           # 19 - 10 evicted; the hot five among the survivors
+
+
+def test_router_identity_is_the_authenticated_key_not_the_routing_id(home: Path, file_devices: Any,
+                                                                    services: Any) -> None:
+    """c (an allowed key) connects to b's ROUTER calling itself "a": its hint is dropped; under its
+    own name it is accepted. Before, the self-chosen routing id named the sender."""
+    make_cluster(home, file_devices, ["a", "b", "c"])
+    sb = services(home, "m", "b")
+    cfg = load_store("m", home)
+    c_pub, c_sec = load_keypair("m", "c", home)
+    ctx: zmq.Context[Any] = zmq.Context()
+
+    def dealer(routing_id: bytes) -> Any:
+        d = ctx.socket(zmq.DEALER)
+        d.curve_publickey, d.curve_secretkey = c_pub, c_sec
+        d.curve_serverkey = cfg.servers[1].public_key.encode()
+        d.routing_id = routing_id
+        d.linger = 0
+        d.connect(cfg.servers[1].endpoints[1])
+        return d
+
+    hint = np.zeros(1, REGISTER_DTYPE)
+    hint["area"], hint["slot"], hint["gen"], hint["length"], hint["state"] = 1, 3, 5, PS, VALID
+    msg = encode("h", 1, 0, 0, hint)
+    try:
+        spoof = dealer(b"a")
+        before = stats(sb).sync_messages_rejected
+        assert wait_for(lambda: (spoof.send(msg), stats(sb).sync_messages_rejected > before)[1], 20)
+        assert stats(sb).hints_received == 0
+        honest = dealer(b"c")
+        assert wait_for(lambda: (honest.send(msg), stats(sb).hints_received > 0)[1], 20)
+    finally:
+        ctx.destroy(0)
