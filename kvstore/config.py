@@ -120,8 +120,10 @@ class WorkerConfig:
     read_queue_depth: int = 32
     """Reads outstanding per device at once; deeper than writes so reads get the device."""
     io_timeout_s: float = 30.0
-    """Seconds an I/O may stay outstanding before the supervisor declares the worker
-    stuck, kills it, fails its requests as misses and restarts it."""
+    """Seconds an I/O may stay outstanding in the device (counted from ``io_submit``), or a
+    worker with work queued may go without turning its loop, before the supervisor declares
+    the worker stuck, kills it, fails its requests as misses and restarts it. Time a write
+    waits in the ring behind reads (by design) does not count."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_inflight_writes <= 256:

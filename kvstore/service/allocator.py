@@ -11,7 +11,10 @@ as a miss the engine could have avoided.
 
 CLOCK never picks a pinned slot, and a RETIRED slot cannot gain a pin (only
 VALID slots are found by lookup), so with ``grace_s == 0`` a retired slot is
-reusable at once.
+reusable at once. With ``grace_s > 0`` eviction retires only what writes ask
+for: one slot per write that finds nothing free (usable after the grace), and
+a reserve sized to the writes of the last grace period, so a steady write
+rate keeps finding slots while the rest of the cache keeps serving.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class Allocator:
         self.free: list[FreeSlots] = []
         self.quarantine: list[deque[tuple[int, float]]] = [deque() for _ in own]
         self.hand = [r.start for r in own]
+        self.demand: list[deque[float]] = [deque() for _ in own]  # times of writes that needed eviction
         self.evictions = 0
         for r in own:
             st = slots["state"][r.start:r.stop]
@@ -175,11 +179,12 @@ class Allocator:
             q.append((gid, now))  # still pinned: look again later
         return -1
 
-    def _clock_sweep(self, device: int, tenant: int | None = None) -> int:
+    def _retire_one(self, device: int, tenant: int | None = None) -> bool:
+        """CLOCK: retire the next own VALID slot that is neither pinned nor recently used (of
+        ``tenant`` only, if given); False if a full double sweep finds none."""
         r = self.own[device]
-        n = len(r)
         st = self.slots["state"]
-        for _ in range(2 * n):
+        for _ in range(2 * len(r)):
             gid = self.hand[device]
             self.hand[device] = gid + 1 if gid + 1 < r.stop else r.start
             if st[gid] != VALID or self.pins[gid] or self.sticky[gid]:
@@ -191,10 +196,39 @@ class Allocator:
                 continue
             self.retire(gid, device)
             self.evictions += 1
+            return True
+        return False
+
+    def _clock_sweep(self, device: int, tenant: int | None = None) -> int:
+        """Retire for a write that found nothing free. Without a grace period a retired slot is
+        reusable at once: retire until one comes out of quarantine. With one, retire a single
+        slot per call: it becomes usable after the grace, and retiring more now would only empty
+        the cache (each retired page is a miss everywhere) without giving this write a slot."""
+        n = len(self.own[device])
+        for _ in range(max(1, n)):
+            if not self._retire_one(device, tenant):
+                return self._from_quarantine(device)
             got = self._from_quarantine(device)
-            if got >= 0:
+            if got >= 0 or self.grace_s > 0:
                 return got
         return -1
+
+    def _top_up(self, device: int) -> None:
+        """With a grace period, keep about as many slots in quarantine as writes needed eviction
+        during the last grace period (at most a quarter of the area), so that a steady stream of
+        writes finds slots whose grace has passed instead of being dropped. At most two
+        retirements per write."""
+        now = self.clock()
+        q = self.demand[device]
+        q.append(now)
+        while q and q[0] < now - self.grace_s:
+            q.popleft()
+        want = min(len(q), len(self.own[device]) // 4)
+        for _ in range(2):
+            if len(self.free[device]) + len(self.quarantine[device]) >= want:
+                return
+            if not self._retire_one(device):
+                return
 
     def allocate(self, device: int, tenant: int = -1, quota: int | None = None) -> int:
         """An own slot on ``device`` ready to write (state WRITING, new generation), or -1.
@@ -206,9 +240,12 @@ class Allocator:
         if quota is not None and self.used_by.get(tenant, 0) >= quota:
             gid = self._clock_sweep(device, tenant)
         else:
+            evicting = not self.free[device]
             gid = self.free[device].popleft() if self.free[device] else self._from_quarantine(device)
             if gid < 0:
                 gid = self._clock_sweep(device)
+            if self.grace_s > 0 and evicting:
+                self._top_up(device)
         if gid < 0:
             return -1
         # a slot counts against its tenant from allocation on: a batch cannot overshoot the quota

@@ -85,3 +85,41 @@ def test_abandoned_write_returns_to_free() -> None:
     g = a.allocate(0)
     a.abandon(g, 0)
     assert a.allocate(0) == g
+
+
+def test_grace_on_a_full_area_retires_only_what_writes_need() -> None:
+    """Regression: with a grace of 1 s, one allocation on a full area of 100 slots retired all 100."""
+    t = [0.0]
+    a, retired = make(n=100, grace=1.0, clock=t)
+    fill(a)
+    a.ref[:] = 0
+    assert a.allocate(0) == -1            # nothing usable yet: the retired slot is in its grace
+    assert len(retired) == 1              # one page evicted, not the whole cache
+    assert (a.slots["state"] == VALID).sum() == 99
+
+
+def test_grace_with_a_steady_write_rate_keeps_writing_and_keeps_the_cache() -> None:
+    t = [0.0]
+    a, retired = make(n=100, grace=1.0, clock=t)
+    fill(a)
+    dropped = written = 0
+    for step in range(400):               # 20 writes per second for 20 s of the fake clock
+        t[0] = step * 0.05
+        a.ref[:] = 0
+        g = a.allocate(0)
+        if g < 0:
+            dropped += 1
+            continue
+        a.commit(g, np.array([1000 + step, 0, 0, 0], dtype=np.uint64), 10)
+        written += 1
+        # never more retired than about a grace period of writes
+        assert (a.slots["state"] == RETIRED).sum() <= 25
+    assert dropped <= 25 and written >= 375  # drops only while the first reserve builds up
+    assert (a.slots["state"] == VALID).sum() >= 70
+
+
+def test_grace_zero_reuses_at_once() -> None:
+    a, retired = make(n=10)
+    fill(a)
+    a.ref[:] = 0
+    assert a.allocate(0) >= 0 and len(retired) == 1
