@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvstore import KVCacheClient, KVStoreError
+from kvstore import KVCacheClient, KVStoreError, NotAllowed
 from kvstore.config import StoreConfig, load_store, run_dir, save_store
 from kvstore.quickstart import page_bytes
 from kvstore.testing import make_store
@@ -131,3 +131,59 @@ def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, se
         for d in opened:
             os.chmod(d, modes[d])
     assert r.returncode == 0 and "connected" in r.stdout, r.stderr
+
+
+def test_tenant_comes_from_credentials(home: Path, file_devices: Any, services: Any) -> None:
+    """The service maps who connected (SO_PEERCRED) to tenants: this user is mapped to alpha only."""
+    (dev,) = file_devices.make(1, (1 << 20) + 40 * (4096 + PS))
+    cfg = make_store(home, "t", [dev], PS)
+    save_store(dataclasses.replace(cfg, tenants={"alpha": [f"uid:{os.getuid()}"], "beta": ["uid:4242"]}), home)
+    services(home, "t")
+    with pytest.raises(NotAllowed, match=r"may not use tenant 'beta'.*maps it to 'alpha'"):
+        KVCacheClient.connect("t", home=home, tenant="beta")
+    keys = [b"k/%d" % i for i in range(4)]
+    with KVCacheClient.connect("t", home=home, tenant="alpha") as a, KVCacheClient.connect("t", home=home) as d:
+        assert a.tenant == "alpha" and d.tenant == "alpha"   # asking for nothing gives its only tenant
+        a.put(keys, [page_bytes(k, PS) for k in keys], wait=True)
+        assert d.lookup(keys) == 4                          # the same key space
+
+
+def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, services: Any) -> None:
+    """A process of another uid (in the access group) asks for tenant alpha, mapped to this user only:
+    refused. Its hello says nothing about who it is; the kernel does."""
+    import grp
+
+    import msgpack
+
+    if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root and a system python3 to run a client as another user")
+    try:
+        gid = grp.getgrnam("nogroup").gr_gid
+    except KeyError:
+        pytest.skip("no 'nogroup' group here")
+    (dev,) = file_devices.make(1, (1 << 20) + 20 * (4096 + PS))
+    cfg = make_store(home, "t", [dev], PS)
+    save_store(dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, access_group="nogroup"),
+                                   tenants={"alpha": ["uid:0"]}), home)
+    services(home, "t")
+    sock = run_dir("t", home) / "local.sock"
+    hello = msgpack.packb({"v": 2, "op": "hello", "tenant": "alpha"})
+    frame = len(hello).to_bytes(4, "little") + hello
+    code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(5); "
+            f"s.connect({str(sock)!r}); s.sendall(bytes.fromhex({frame.hex()!r})); "
+            "d = b''\nwhile True:\n    c = s.recv(65536)\n    if not c: break\n    d += c\nprint(d.hex())")
+    opened = [d for d in [home, *home.parents] if d != Path("/")]
+    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
+    try:
+        for d in opened:
+            os.chmod(d, modes[d] | 0o005)
+        r = subprocess.run(["setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups", "/usr/bin/python3",
+                            "-c", code], capture_output=True, text=True, cwd="/")
+    finally:
+        for d in opened:
+            os.chmod(d, modes[d])
+    assert r.returncode == 0, r.stderr
+    data = bytes.fromhex(r.stdout.strip())
+    reply = msgpack.unpackb(data[4:])
+    assert reply["ok"] is False and reply["kind"] == "tenant", reply
+    assert "uid 65534 may not use tenant 'alpha'" in reply["error"]

@@ -1,0 +1,56 @@
+"""Tenants granted from credentials (``StoreConfig.tenant_for``) and their config table."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+
+from kvstore.config import ServerConfig, ServiceConfig, StoreConfig
+from kvstore.errors import NotAllowed
+
+
+def cfg(**kw: object) -> StoreConfig:
+    return StoreConfig(name="s", uuid=str(uuid.uuid4()), page_size=4096, devices=("/dev/null",),
+                       servers=(ServerConfig("a"),), **kw)  # type: ignore[arg-type]
+
+
+def test_unmapped_caller_gets_the_default_tenant_only() -> None:
+    c = cfg(tenants={"alpha": ["uid:1000"]})
+    assert c.tenant_for("", 2000, frozenset({2000})) == ""
+    with pytest.raises(NotAllowed, match="uid 2000 may not use tenant 'alpha'"):
+        c.tenant_for("alpha", 2000, frozenset({2000}))
+
+
+def test_mapped_by_uid_or_group() -> None:
+    c = cfg(tenants={"alpha": ["uid:1000"], "beta": ["gid:50", "uid:1000"], "gamma": ["gid:60"]})
+    assert c.tenants_of(1000, frozenset({1000})) == ["alpha", "beta"]
+    assert c.tenant_for("beta", 1000, frozenset()) == "beta"
+    with pytest.raises(NotAllowed, match="several tenants"):
+        c.tenant_for("", 1000, frozenset())                 # must name one of its two
+    assert c.tenant_for("", 7, frozenset({60})) == "gamma"   # its only tenant, through a group
+    with pytest.raises(NotAllowed, match="several tenants"):
+        c.tenant_for("", 7, frozenset({60, 50}))            # gamma and beta through two groups
+
+
+def test_declared_tenants_only_where_the_config_says_so() -> None:
+    c = cfg(tenants={"alpha": ["uid:1000"]})
+    with pytest.raises(NotAllowed):
+        c.tenant_for("anyone", 1000, frozenset())
+    trusting = dataclasses.replace(c, service=ServiceConfig(trust_declared_tenant=True))
+    assert trusting.tenant_for("anyone", 5, frozenset()) == "anyone"
+    with pytest.raises(ValueError, match="tenant"):
+        trusting.tenant_for("Bad Name", 5, frozenset())
+
+
+@pytest.mark.parametrize("bad", [[], ["alice"], ["uid:x"], ["user:no-such-user-here"], ["host:1"], "uid:1"])
+def test_bad_principals_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="tenant"):
+        cfg(tenants={"alpha": bad})
+
+
+def test_tenants_round_trip_through_toml() -> None:
+    c = cfg(tenants={"alpha": ["uid:1000", "gid:5"]}, service=ServiceConfig(trust_declared_tenant=True))
+    back = StoreConfig.from_toml(c.to_toml())
+    assert back.tenants == c.tenants and back.service.trust_declared_tenant
