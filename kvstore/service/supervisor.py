@@ -140,6 +140,7 @@ class Supervisor:
         self.old_agent: Any = None
         self.old_agent_at = 0.0
         self.handshakes: Handshakes | None = None
+        self._last_check_ns = 0
         self.sync: SyncLink | None = None
         self.agent: Any = None
         self.agent_restarts = 0
@@ -859,6 +860,10 @@ class Supervisor:
         it: writes wait there by design (reads first)."""
         now_ns = time.monotonic_ns()
         tmo_ns = int(self.cfg.worker.io_timeout_s * 1e9)
+        # right after this loop itself was stopped (SIGSTOP, swap, CPU starvation), ages say
+        # nothing about the workers: judge them at the next tick, not now
+        judge = now_ns - self._last_check_ns < tmo_ns // 2
+        self._last_check_ns = now_ns
         for w in self.workers:
             if w.proc is None:
                 self._restart_worker(w)
@@ -869,9 +874,9 @@ class Supervisor:
             queued = any(op.device == w.device for op in self.pending.values()) if beat else False
             if not w.proc.is_alive():
                 self._worker_lost(w, f"exited with code {w.proc.exitcode}")
-            elif oldest and now_ns - oldest > tmo_ns:
+            elif judge and oldest and now_ns - oldest > tmo_ns:
                 self._worker_lost(w, f"a device I/O outstanding for more than {self.cfg.worker.io_timeout_s} s")
-            elif beat and queued and now_ns - beat > tmo_ns:
+            elif judge and beat and queued and now_ns - beat > tmo_ns:
                 self._worker_lost(w, f"its loop stalled for more than {self.cfg.worker.io_timeout_s} s "
                                   "with work queued")
         if self.agent is not None and not self.agent.is_alive() and not self.stop:
