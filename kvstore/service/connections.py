@@ -150,7 +150,7 @@ class Handshakes:
             except ValueError as e:
                 why.append(f"pid {p.cred.pid}: {e}")
                 try:
-                    s.send(P.encode_frame({"v": P.VERSION, "ok": False, "kind": "protocol", "error": str(e)}))
+                    s.send(P.refusal("protocol", str(e)))
                 except OSError:
                     pass
                 self._drop(fd)
@@ -220,7 +220,9 @@ class Request:
 
     @property
     def cancelled(self) -> bool:
-        """Whether the client gave up on this request (it timed out)."""
+        """Whether the client gave up on this request (it timed out, or it is gone)."""
+        if not self.conn.alive:
+            return True  # its segment may be unmapped already; nobody waits for the answer
         return self.conn.chan.desc[self.desc].cancelled
 
 

@@ -195,6 +195,11 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
+def refusal(kind: str, error: str) -> bytes:
+    """The frame that refuses a hello (``kind``: protocol, tenant, busy)."""
+    return encode_frame({"v": VERSION, "ok": False, "kind": kind, "error": error})
+
+
 def decode_frame(data: bytes) -> dict[str, Any]:
     """Decode a frame's body; ``ValueError`` unless it is a msgpack map."""
     try:

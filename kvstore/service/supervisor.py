@@ -9,13 +9,16 @@ Shared memory (names from ``shm.segment.name_prefix``):
     <p>arena     page buffers (header block + page each)
     <p>stats     stats block
     <p>w<d>      rings of worker d
-    <p>c<id>     one per client connection (rings + batch arrays)
+    <p>c<id>     one per client connection (request ring + descriptors; service/connections.py)
     sem.<p>bell  doorbell: every producer toward the supervisor posts it
     sem.<p>w<d>  wake-up of worker d;  sem.<p>c<id>.s  wake-up of client id
 
-The loop drains worker completions, then client requests, then waits on the
-doorbell (20 ms at most); every 20 ms it also accepts and reaps connections,
-checks workers (dead or stuck past ``io_timeout_s``) and updates gauges.
+The loop drains worker completions, then client requests (one per connection
+per turn), then waits on the doorbell (20 ms at most); every 20 ms it also
+advances handshakes and reaps connections, checks workers (dead, or a device
+I/O older than ``io_timeout_s``) and updates gauges. It never blocks on a
+client or waits for a process: lost workers and a replaced sync agent are
+reaped by polling.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import select
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -508,7 +511,7 @@ class Supervisor:
 
     def _refuse(self, s: socket.socket, kind: str, error: str) -> None:
         try:
-            s.send(P.encode_frame({"v": P.VERSION, "ok": False, "kind": kind, "error": error}))
+            s.send(P.refusal(kind, error))
         except OSError:
             pass
         s.close()
@@ -765,7 +768,7 @@ class Supervisor:
         status = P.S_OK
         if req.op == P.OP_GET:
             # a cancelled get's pages go nowhere: the client gave up on them
-            cancelled = req.cancelled or not req.conn.alive
+            cancelled = req.cancelled
             for i, b in enumerate(req.bufs):
                 if b in req.quarantined:
                     req.results[i] = P.R_MISS
