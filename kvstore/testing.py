@@ -250,3 +250,33 @@ class Network:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, kv_heads: int = 2, head_dim: int = 64,
+                    vocab: int = 1024, seed: int = 0) -> Path:
+    """Save a random-weight Llama (bfloat16) and an offline word-level tokenizer under ``path``.
+
+    For tests and benchmarks of the engine adapters without any download: tokens are
+    ``w3 .. w{vocab-1}``; ``initializer_range=0.2`` gives peaked logits, so greedy tokens do
+    not flip on rounding noise between runs. Needs ``torch``, ``transformers`` and
+    ``tokenizers`` (the ``transformers`` extra).
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=16384, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+

@@ -1,37 +1,56 @@
-"""A vLLM v1 KV connector backed by kvstore. Importable only where vLLM is installed.
+"""A vLLM v1 KV connector backed by kvstore. Importable only where vLLM is installed (``kvstore[vllm]``).
 
 Run vLLM with it (one cache service of the store must run on the machine)::
 
-    vllm serve MODEL --kv-transfer-config '{
+    python -m vllm.entrypoints.openai.api_server --model MODEL --kv-transfer-config '{
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "kvstore.engines.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": "demo", "page_tokens": 64}
-    }'
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": "demo"}}'
 
 Extra config: ``store`` (required), ``server`` (when several services of the
-store run here), ``mass_home``, ``page_tokens`` (a multiple of the block size;
-default 4 blocks), ``model_id`` (default: the model name and revision),
-``tenant``.
+store run here), ``mass_home``, ``page_tokens`` (a multiple of vLLM's block
+size; default: one block), ``model_id`` (default: the model name and
+revision), ``tenant`` (a key-space label mixed into every key; the service
+grants the connection's own tenant from its Unix credentials).
 
-Loads are synchronous (in ``start_load_kv``); pages are saved after the
-forward pass that completes them (``wait_for_save``). Every block that could
-not be loaded is reported through ``get_block_ids_with_load_errors`` and
-recomputed by vLLM. The logic lives in ``vllm_mapping.py`` and is tested
-there without vLLM.
+What it does (logic in ``vllm_mapping.py``):
+
+* **Layout from what vLLM registers.** The page layout is the registered
+  per-layer ``[B, H, N, C]`` views, the attention backend and the dtype; it is
+  in every key's namespace, and a cache it cannot move (not 4-D block views,
+  several KV cache groups) is refused at engine start with the reason.
+* **Every completed prompt page is saved**, whichever step completes it
+  (chunked prefill, resumption after preemption), after that step's forward
+  pass; loads start in the page holding the first token vLLM lacks, and write
+  only the blocks it lacks.
+* **A miss is never an error.** Blocks that could not be loaded are reported
+  through ``get_block_ids_with_load_errors``; the connector sets
+  ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``,
+  would end such a request with an error) and says so in the log.
+* Loads are synchronous (``start_load_kv``); saves copy the pages into the
+  store's shared memory in ``wait_for_save`` and the device writes finish
+  in the background (``put`` without waiting).
+* Hybrid models (several KV cache groups) are not supported: the connector
+  does not implement ``SupportsHMA``, so vLLM turns its hybrid allocator off;
+  a model that still needs several groups is refused at start.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole)
 
 from ..client import KVCacheClient
 from ..keys import KeyNamespace
-from .vllm_mapping import LAYOUT, SchedulerSide, StepPlan, WorkerSide
+from .vllm_mapping import Layout, SchedulerSide, StepPlan, WorkerSide, layout_of
+
+log = structlog.get_logger(__name__)
 
 
 class KVStoreConnectorMetadata(KVConnectorMetadata):
@@ -41,17 +60,51 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
+def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any, list[str]]:
+    """The backend name, attention spec and layer names vLLM will register (both roles agree)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ValueError(f"the kvstore connector moves models with one KV cache group; this one has {len(groups)} "
+                         "(a hybrid model: sliding-window, Mamba or mixed attention layers). It does not "
+                         "implement SupportsHMA")
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)
+    if specs:  # uniform type, per-layer specs
+        spec = next(iter(specs.values()))
+    for attr in ("num_kv_heads", "head_size", "dtype", "page_size_bytes"):
+        if not hasattr(spec, attr):
+            raise ValueError(f"the kvstore connector moves attention KV caches; this model's cache is "
+                             f"{type(spec).__name__}")
+    backends = get_current_attn_backends(vllm_config)
+    names = sorted({b.get_name() for b in backends})
+    if len(names) != 1:
+        raise ValueError(f"the kvstore connector needs one attention backend; this engine uses {names}")
+    return names[0], spec, list(groups[0].layer_names)
+
+
 class KVStoreConnector(KVConnectorBase_V1):
     """vLLM's KV connector interface over ``kvstore`` (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        tc = vllm_config.kv_transfer_config
+        extra = dict(tc.kv_connector_extra_config or {})
         if "store" not in extra:
             raise ValueError("kv_connector_extra_config needs 'store' (the kvstore store name)")
+        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
+            # a page that looked present and could not be loaded is a miss: recompute it
+            log.warning("kvstore: setting kv_load_failure_policy to 'recompute' (a cache miss is never an error)",
+                        was=tc.kv_load_failure_policy)
+            tc.kv_load_failure_policy = "recompute"
         self.block_size = int(vllm_config.cache_config.block_size)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        page_tokens = int(extra.get("page_tokens", 4 * self.block_size))
+        page_tokens = int(extra.get("page_tokens", self.block_size))
+        backend, spec, self.layer_names = _expected_layout(vllm_config, kv_cache_config)
+        self.expected = (backend, str(spec.dtype).removeprefix("torch."), int(spec.page_size_bytes))
+        layout = (f"vllm:{backend}:{self.expected[1]}:block{spec.block_size}:"
+                  f"{spec.num_kv_heads}x{spec.head_size}:{self.expected[2]}B")
         model_id = str(extra.get("model_id") or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}")
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -59,27 +112,41 @@ class KVStoreConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         else:
             tp_rank = 0  # the scheduler asks with rank 0's keys; every rank saves the same pages
-        self.ns = KeyNamespace(model_id, str(mc.dtype).removeprefix("torch."), mc.get_num_layers(pc),
-                               mc.get_num_kv_heads(pc), mc.get_head_size(), page_tokens, tp_rank=tp_rank,
-                               tp_size=pc.tensor_parallel_size, tenant=str(extra.get("tenant", "")), layout=LAYOUT)
+        self.ns = KeyNamespace(model_id, self.expected[1], mc.get_num_layers(pc), max(1, int(spec.num_kv_heads)),
+                               int(spec.head_size), page_tokens, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+                               tenant=str(extra.get("tenant", "")), layout=layout)
         self.client = KVCacheClient.connect(extra["store"], server=extra.get("server"), home=extra.get("mass_home"))
         self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup)
         self.worker: WorkerSide | None = None
+        self.layout: Layout | None = None
         self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            log.info("kvstore connector ready", store=extra["store"], layout=layout, page_tokens=page_tokens)
 
     # ---- scheduler side ----------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.note_request(request.request_id, getattr(request, "cache_salt", None))
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        n = self.scheduler.num_new_matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens)
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return 0, False
+        n = self.scheduler.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens)
         return n, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
         for req in scheduler_output.scheduled_new_reqs:
-            n = scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
-            self.scheduler.prompt_progress(req.req_id, req.prompt_token_ids, req.block_ids[0],
-                                           req.num_computed_tokens + n)
+            self.scheduler.schedule(req.req_id, req.prompt_token_ids, req.block_ids[0], True,
+                                    req.num_computed_tokens + scheduled.get(req.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            nb = cached.new_block_ids[i]
+            self.scheduler.schedule(rid, None, nb[0] if nb is not None else None, rid in cached.resumed_req_ids,
+                                    cached.num_computed_tokens[i] + scheduled.get(rid, 0))
         return KVStoreConnectorMetadata(self.scheduler.build_plan())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -88,7 +155,21 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker = WorkerSide(self.client, self.ns, self.block_size, kv_caches)
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        backends = sorted({b.get_name() for b in get_current_attn_backends(self._vllm_config, list(kv_caches))})
+        layout = layout_of(kv_caches, backends[0] if len(backends) == 1 else "+".join(backends), self.block_size)
+        backend, dtype, block_bytes = self.expected
+        got = [h * n * c * layout.blocks_per_kernel * torch.empty(0, dtype=next(iter(kv_caches.values())).dtype)
+               .element_size() for h, n, c in layout.block_shapes]
+        if layout.backend != backend or layout.dtype != dtype or set(got) != {block_bytes}:
+            raise ValueError(f"vLLM registered KV caches the kvstore connector did not expect: {layout.name} "
+                             f"(expected backend {backend}, {dtype}, {block_bytes} bytes per layer and block)")
+        self.layout = layout
+        self.worker = WorkerSide(self.client, layout, self.block_size, self.ns.page_tokens // self.block_size,
+                                 kv_caches)
+        log.info("kvstore connector registered the KV cache", layout=layout.name, layers=len(kv_caches),
+                 page_bytes=self.worker.page_bytes)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

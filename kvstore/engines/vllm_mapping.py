@@ -1,22 +1,33 @@
-"""What the vLLM connector does, without vLLM: page keys <-> paged KV blocks, loads, saves, load errors.
+"""What the vLLM connector does, without importing vLLM: page keys <-> paged KV blocks, loads, saves.
 
-vLLM keeps K/V in fixed-size blocks of ``block_size`` tokens; a kvstore page is
-``blocks_per_page`` whole blocks (``page_tokens = blocks_per_page * block_size``)
-of every layer. Page layout (``KeyNamespace.layout == "lkthd"``), C order:
-``[layer][k=0, v=1][token][kv_head][head_dim]`` — for each layer, K then V of
-the page's tokens in the order vLLM's flash-attention cache holds them
-(``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer), so a page
-moves block by block with plain slice copies.
+vLLM (0.32) allocates its KV cache once and registers one view per attention
+layer, ``[num_blocks, num_kv_heads, block_size, C]`` with blocks at dim 0
+(``vllm/v1/worker/utils.py``: "view it as [B, H, N, C] per layer"); the
+physical strides depend on the cache layout (layer-major, block-major
+"cross-layer", head-major), and what a block's bytes mean depends on the
+attention backend (CPU_ATTN keeps, per block and head, K of every token then
+V; FlashAttention, FlashInfer and Triton split the last dimension into K and
+V). The connector never interprets those bytes: a kvstore page is
+``blocks_per_page`` whole blocks, and its payload is, layer by layer in the
+order vLLM registered them, ``cache[blocks]`` in logical ``[B, H, N, C]``
+order. The layout string (``Layout.name``) names the backend, dtype and
+per-layer block shape, and is part of every key's namespace, so pages of
+incompatible layouts never share keys. What a layout cannot be moved
+(tensors that are not 4-D block views, mixed dtypes) is refused when vLLM
+registers its caches, at engine start.
 
 ``SchedulerSide`` runs where vLLM schedules: how many prompt tokens can be
-loaded, which blocks to load them into, which pages to save. ``WorkerSide``
-runs in each worker: it copies pages between the client's shared-memory views
-and the paged cache tensors and reports the blocks it could not fill (misses,
-I/O errors, failed validation, a lost service) so that vLLM recomputes them.
+loaded (also from the middle of a page that vLLM's own prefix cache partly
+covers), which blocks to fill, and which pages to save as prefill completes
+them, across chunked prefill, preemption and resumption. ``WorkerSide`` runs
+in each worker: it copies pages between the client's shared-memory views and
+the paged tensors and reports every block it could not fill, so that vLLM
+recomputes it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,16 +42,67 @@ from ..keys import KeyNamespace, page_keys
 
 log = structlog.get_logger(__name__)
 
-LAYOUT = "lkthd"
+
+@dataclass(frozen=True)
+class Layout:
+    """How one worker's KV cache is cut into pages (derived from what vLLM registers)."""
+
+    backend: str
+    """vLLM attention backend name (``CPU_ATTN``, ``FLASH_ATTN``, ...): what a block's bytes mean."""
+    dtype: str
+    """Element type of the cache (``bfloat16``, ``float16``, ``fp8_e4m3``, ...)."""
+    block_shapes: tuple[tuple[int, int, int], ...]
+    """Per layer ``(heads, tokens, C)`` of one kernel block, in registration order."""
+    blocks_per_kernel: int = 1
+    """Kernel blocks per scheduler block (vLLM's virtual block splitting; usually 1)."""
+
+    @property
+    def name(self) -> str:
+        """The layout as it enters the key namespace."""
+        shapes = ",".join(f"{h}x{n}x{c}" for h, n, c in self.block_shapes)
+        return f"vllm:{self.backend}:{self.dtype}:BHNC[{shapes}]/{self.blocks_per_kernel}"
+
+
+def layout_of(kv_caches: Mapping[str, torch.Tensor], backend: str, block_size: int) -> Layout:
+    """Derive the layout from the tensors vLLM registered; ``ValueError`` if they cannot be moved."""
+    if not kv_caches:
+        raise ValueError("vLLM registered no KV cache tensors")
+    shapes = []
+    dtypes = set()
+    per_block = set()
+    for name, t in kv_caches.items():
+        if t.dim() != 4:
+            raise ValueError(f"KV cache of layer {name!r} has shape {tuple(t.shape)}: the kvstore connector moves "
+                             "per-layer [blocks, heads, tokens, C] views (attention layers of vLLM >= 0.32); "
+                             "models with Mamba or other non-attention caches are not supported")
+        if block_size % t.shape[2]:
+            raise ValueError(f"KV cache of layer {name!r} has blocks of {t.shape[2]} tokens, which do not divide "
+                             f"vLLM's block size {block_size}")
+        shapes.append((int(t.shape[1]), int(t.shape[2]), int(t.shape[3])))
+        dtypes.add(t.dtype)
+        per_block.add(block_size // int(t.shape[2]))
+    if len(dtypes) != 1 or len(per_block) != 1:
+        raise ValueError(f"KV cache layers differ in dtype or block size ({sorted(map(str, dtypes))}); "
+                         "the kvstore connector needs one of each")
+    return Layout(backend, str(dtypes.pop()).removeprefix("torch."), tuple(shapes), per_block.pop())
 
 
 @dataclass(frozen=True)
 class PageTransfer:
-    """Pages of one request and the vLLM blocks they map to (``blocks_per_page`` per page)."""
+    """Pages of one request and the vLLM blocks they map to.
+
+    Page ``i`` covers blocks ``block_ids[i]``, which are the page's blocks from index
+    ``first[i]`` on (a page partly held by vLLM's own prefix cache is loaded, but
+    only the blocks vLLM lacks are written)."""
 
     req_id: str
     keys: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    first: tuple[int, ...]
+
+    def all_blocks(self, from_page: int = 0) -> set[int]:
+        """Every block id of pages ``from_page`` on."""
+        return {b for blocks in self.block_ids[from_page:] for b in blocks}
 
 
 @dataclass
@@ -51,9 +113,20 @@ class StepPlan:
     saves: list[PageTransfer] = field(default_factory=list)
 
 
+@dataclass
+class _Req:
+    prompt: list[int]
+    blocks: list[int]
+    saved: int = 0  # leading pages known to be in the store (loaded or saved)
+
+
 class SchedulerSide:
-    """Scheduler-side bookkeeping. Invariant: a load is planned only for pages that start
-    exactly at the request's computed prefix, so no block vLLM already holds is written."""
+    """Scheduler-side bookkeeping.
+
+    Invariant: a load never writes a block below the request's computed prefix
+    (vLLM already holds those), and a save names only pages whose every token
+    is computed once the step it is planned in has run.
+    """
 
     def __init__(self, ns: KeyNamespace, block_size: int, lookup: Callable[[list[bytes]], int]) -> None:
         if ns.page_tokens % block_size:
@@ -62,61 +135,100 @@ class SchedulerSide:
         self.block_size = block_size
         self.bpp = ns.page_tokens // block_size
         self.lookup = lookup
-        self._matched: dict[str, tuple[int, list[bytes]]] = {}  # req -> (first page, keys of loadable pages)
+        self._matched: dict[str, tuple[int, int, list[bytes]]] = {}  # req -> (computed, first page, keys)
         self._plan = StepPlan()
-        self._saved_pages: dict[str, int] = {}
+        self._reqs: dict[str, _Req] = {}
+        self._loaded: dict[str, int] = {}  # req -> pages known stored after its planned load
+        self._salts: dict[str, bytes] = {}  # req -> chain root under its cache salt
+
+    def note_request(self, req_id: str, cache_salt: str | None) -> None:
+        """A request arrived; pages of a request with a cache salt (vLLM's per-user isolation of
+        its prefix cache) are keyed under a root that mixes the salt in."""
+        if cache_salt:
+            self._salts[req_id] = hashlib.blake2b(self.ns.root() + cache_salt.encode(), digest_size=32,
+                                                  person=b"kvstore-salt").digest()
+
+    def _keys(self, req_id: str, tokens: Sequence[int]) -> list[bytes]:
+        return page_keys(self.ns, list(tokens), parent=self._salts.get(req_id))
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that can be loaded (0 on any error or misalignment)."""
+        """Tokens beyond ``num_computed_tokens`` (block aligned) that can be loaded; 0 on any error.
+
+        The load starts in the page holding token ``num_computed_tokens``, so a page that
+        vLLM's prefix cache covers in part still loads the rest."""
         T = self.ns.page_tokens
-        if num_computed_tokens % T:
-            return 0  # loads start on a page boundary only
+        self._matched.pop(req_id, None)
+        if num_computed_tokens % self.block_size:
+            return 0
         usable = (len(prompt) - 1) // T * T  # vLLM must compute at least one prompt token
         if usable <= num_computed_tokens:
             return 0
-        keys = page_keys(self.ns, list(prompt[:usable]))
+        keys = self._keys(req_id, prompt[:usable])
         try:
             n = self.lookup(keys)
         except Exception as e:
             log.warning("kvstore lookup failed; computing", error=repr(e))
             return 0
-        first = num_computed_tokens // T
-        if n <= first:
+        if n * T <= num_computed_tokens:
             return 0
-        self._matched[req_id] = (first, keys[first:n])
-        return (n - first) * T
+        first = num_computed_tokens // T
+        self._matched[req_id] = (num_computed_tokens, first, keys[first:n])
+        return n * T - num_computed_tokens
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Plan the load of ``num_external_tokens`` into the request's blocks."""
-        if num_external_tokens == 0 or req_id not in self._matched:
+        """Plan the load of ``num_external_tokens`` into the request's blocks (all of them, in order)."""
+        m = self._matched.pop(req_id, None)
+        if num_external_tokens == 0 or m is None:
             return
-        first, keys = self._matched.pop(req_id)
-        pages = num_external_tokens // self.ns.page_tokens
-        b0 = first * self.bpp
-        blocks = tuple(block_ids[b0:b0 + pages * self.bpp])
-        if len(blocks) < pages * self.bpp:
-            log.warning("fewer blocks than pages to load; skipping the load", req=req_id)
+        computed, first, keys = m
+        bs, T = self.block_size, self.ns.page_tokens
+        start_blk, end_blk = computed // bs, (computed + num_external_tokens) // bs
+        if end_blk > len(block_ids) or (num_external_tokens % bs):
+            log.warning("load does not fit the request's blocks; skipping it", req=req_id)
             return
-        self._plan.loads.append(PageTransfer(req_id, tuple(keys[:pages]), blocks))
-        self._saved_pages[req_id] = first + pages  # already in the store
+        pk, pb, pf = [], [], []
+        for i, key in enumerate(keys):
+            p = first + i
+            lo, hi = max(start_blk, p * self.bpp), min(end_blk, (p + 1) * self.bpp)
+            if lo >= hi:
+                break
+            pk.append(key)
+            pb.append(tuple(block_ids[lo:hi]))
+            pf.append(lo - p * self.bpp)
+        if pk:
+            self._plan.loads.append(PageTransfer(req_id, tuple(pk), tuple(pb), tuple(pf)))
+            # pages loaded whole are in the store: never saved again for this request
+            self._loaded[req_id] = (computed + num_external_tokens) // T
 
-    def prompt_progress(self, req_id: str, prompt: Sequence[int], block_ids: Sequence[int], computed_after_step: int) -> None:
-        """Plan the save of the prompt's whole pages that are computed once this step has run."""
+    def schedule(self, req_id: str, prompt: Sequence[int] | None, block_ids: Sequence[int] | None,
+                 replace_blocks: bool, computed_after_step: int) -> None:
+        """A request runs this step: track its blocks (``replace_blocks`` for a new or resumed
+        request, else ``block_ids`` are appended) and plan the save of the prompt pages
+        this step completes."""
+        r = self._reqs.get(req_id)
+        if r is None:
+            if prompt is None:
+                return  # not seen as new (e.g. started before the connector knew it): nothing to save
+            r = self._reqs[req_id] = _Req(list(prompt), [])
+        if block_ids is not None:
+            r.blocks = list(block_ids) if replace_blocks else r.blocks + list(block_ids)
+        r.saved = max(r.saved, self._loaded.pop(req_id, 0))
         T = self.ns.page_tokens
-        done_pages = min(computed_after_step, len(prompt)) // T
-        start = self._saved_pages.get(req_id, 0)
-        if done_pages <= start:
+        done = min(computed_after_step, len(r.prompt)) // T
+        done = min(done, len(r.blocks) // self.bpp)
+        if done <= r.saved:
             return
-        keys = page_keys(self.ns, list(prompt[:done_pages * T]))[start:]
-        blocks = tuple(block_ids[start * self.bpp:done_pages * self.bpp])
-        if len(blocks) == len(keys) * self.bpp:
-            self._plan.saves.append(PageTransfer(req_id, tuple(keys), blocks))
-            self._saved_pages[req_id] = done_pages
+        keys = self._keys(req_id, r.prompt[:done * T])[r.saved:]
+        blocks = tuple(tuple(r.blocks[p * self.bpp:(p + 1) * self.bpp]) for p in range(r.saved, done))
+        self._plan.saves.append(PageTransfer(req_id, tuple(keys), blocks, (0,) * len(keys)))
+        r.saved = done
 
     def request_finished(self, req_id: str) -> None:
         """Forget a request."""
         self._matched.pop(req_id, None)
-        self._saved_pages.pop(req_id, None)
+        self._reqs.pop(req_id, None)
+        self._loaded.pop(req_id, None)
+        self._salts.pop(req_id, None)
 
     def build_plan(self) -> StepPlan:
         """This step's plan; the next one starts empty."""
@@ -125,29 +237,40 @@ class SchedulerSide:
 
 
 class WorkerSide:
-    """Moves pages between a client and vLLM's paged KV tensors (one per layer,
-    ``[2, num_blocks, block_size, kv_heads, head_dim]``)."""
+    """Moves pages between a client and vLLM's per-layer ``[B, H, N, C]`` cache views.
 
-    def __init__(self, client: KVCacheClient, ns: KeyNamespace, block_size: int,
+    Invariant: a page's payload is the concatenation over layers of
+    ``cache[page's kernel blocks]`` in logical order; ``load`` writes only the
+    blocks a transfer names and reports every one it could not fill.
+    """
+
+    def __init__(self, client: KVCacheClient, layout: Layout, block_size: int, blocks_per_page: int,
                  kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.client = client
-        self.ns = ns
-        self.block_size = block_size
-        self.bpp = ns.page_tokens // block_size
-        self.names = list(kv_caches)
-        self.caches = [kv_caches[n] for n in self.names]
-        c0 = self.caches[0]
-        if c0.dim() != 5 or c0.shape[0] != 2 or c0.shape[2] != block_size:
-            raise ValueError(f"expected per-layer KV caches of shape [2, blocks, {block_size}, heads, dim], "
-                             f"got {tuple(c0.shape)}")
-        self.heads, self.dim = int(c0.shape[3]), int(c0.shape[4])
-        self.dtype = c0.dtype
-        self.page_shape = (len(self.caches), 2, self.bpp, block_size, self.heads, self.dim)
-        self.page_elems = int(np.prod(self.page_shape))
-        self.page_bytes = self.page_elems * c0.element_size()
+        self.layout = layout
+        self.caches = list(kv_caches.values())
+        self.r = layout.blocks_per_kernel
+        self.bpp = blocks_per_page
+        self.dtype = self.caches[0].dtype
+        esize = self.caches[0].element_size()
+        # per layer: (byte offset in the page, kernel blocks x (H, N, C))
+        self.parts: list[tuple[int, tuple[int, ...]]] = []
+        off = 0
+        for h, n, c in layout.block_shapes:
+            shape = (self.bpp * self.r, h, n, c)
+            self.parts.append((off, shape))
+            off += int(np.prod(shape)) * esize
+        self.page_bytes = off
         if self.page_bytes > client.page_size:
-            raise ValueError(f"a page is {self.page_bytes} bytes, the store's pages are {client.page_size}: "
-                             f"create the store with --page-size >= {self.page_bytes}")
+            raise ValueError(f"a page of {blocks_per_page} vLLM blocks is {self.page_bytes} bytes, the store's pages "
+                             f"are {client.page_size}: create the store with --page-size >= {self.page_bytes} "
+                             "or lower page_tokens")
+        self.device = self.caches[0].device
+
+    def _kernel(self, blocks: Sequence[int]) -> torch.Tensor:
+        r = self.r
+        ids = [b * r + k for b in blocks for k in range(r)]
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def load(self, t: PageTransfer) -> set[int]:
         """Fill the blocks of ``t`` from the store; returns the block ids that could not be filled."""
@@ -159,17 +282,30 @@ class WorkerSide:
                     warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
                     for view in pages:
                         if view is None:
-                            return set(t.block_ids[done * self.bpp:])
-                        page = torch.frombuffer(view, dtype=self.dtype, count=self.page_elems).view(self.page_shape)
-                        blocks = list(t.block_ids[done * self.bpp:(done + 1) * self.bpp])
-                        idx = torch.tensor(blocks, device=self.caches[0].device)
-                        for layer, cache in enumerate(self.caches):
-                            cache[:, idx] = page[layer].to(cache.device, non_blocking=False)
+                            return t.all_blocks(done)
+                        raw = torch.frombuffer(view, dtype=torch.uint8, count=self.page_bytes)
+                        blocks, first = t.block_ids[done], t.first[done]
+                        idx = self._kernel(blocks)
+                        lo, hi = first * self.r, (first + len(blocks)) * self.r
+                        for cache, (off, shape) in zip(self.caches, self.parts):
+                            n = int(np.prod(shape)) * cache.element_size()
+                            page = raw[off:off + n].view(self.dtype).view(shape)
+                            cache[idx] = page[lo:hi].to(self.device)
+                        del raw
                         done += 1
             return set()
         except Exception as e:
             log.warning("kvstore load failed; these blocks are recomputed", req=t.req_id, error=repr(e))
-            return set(t.block_ids[done * self.bpp:])
+            return t.all_blocks(done)
+
+    def page_bytes_of(self, blocks: Sequence[int]) -> torch.Tensor:
+        """The payload of the page made of ``blocks`` (a contiguous uint8 tensor of ``page_size``)."""
+        out = torch.zeros(self.client.page_size, dtype=torch.uint8)
+        idx = self._kernel(blocks)
+        for cache, (off, shape) in zip(self.caches, self.parts):
+            n = int(np.prod(shape)) * cache.element_size()
+            out[off:off + n].view(self.dtype).view(shape).copy_(cache[idx])
+        return out
 
     def save(self, t: PageTransfer) -> int:
         """Copy the pages of ``t`` out of the paged cache and put them; returns pages accepted (0 on error)."""
@@ -177,13 +313,7 @@ class WorkerSide:
             n = 0
             for s in range(0, len(t.keys), self.client.max_batch):
                 keys = list(t.keys[s:s + self.client.max_batch])
-                bufs = []
-                for p in range(s, s + len(keys)):
-                    idx = torch.tensor(t.block_ids[p * self.bpp:(p + 1) * self.bpp], device=self.caches[0].device)
-                    page = torch.stack([cache[:, idx] for cache in self.caches]).to("cpu").contiguous()
-                    buf = np.zeros(self.client.page_size, dtype=np.uint8)
-                    buf[:self.page_bytes] = page.view(torch.uint8).numpy().reshape(-1)
-                    bufs.append(buf)
+                bufs = [self.page_bytes_of(t.block_ids[p]).numpy() for p in range(s, s + len(keys))]
                 r = self.client.put(keys, bufs)
                 n += r.stored + r.queued + r.skipped
             return n
