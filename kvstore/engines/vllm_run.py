@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -34,6 +35,9 @@ def main() -> int:
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--ttft", action="store_true", help="time a 1-token generate of each prompt first")
     ap.add_argument("--repeat", type=int, default=1, help="run the prompt list this many times")
+    ap.add_argument("--failure-policy", choices=["recompute", "fail"], help="kv_load_failure_policy to ask for")
+    ap.add_argument("--kill-pid", type=int, help="SIGKILL this process before prompt --kill-before (a fault)")
+    ap.add_argument("--kill-before", type=int, default=0)
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
 
@@ -47,6 +51,8 @@ def main() -> int:
         extra["mass_home"] = os.environ.get("MASS_HOME")
         kw["kv_transfer_config"] = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.engines.vllm",
                                     "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        if a.failure_policy:
+            kw["kv_transfer_config"]["kv_load_failure_policy"] = a.failure_policy
     t0 = time.monotonic()
     llm = LLM(model=a.model, dtype="bfloat16", max_model_len=16384, enforce_eager=True, seed=0,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_cache, **kw)
@@ -57,7 +63,9 @@ def main() -> int:
     out: dict[str, Any] = {"start_s": round(started, 3), "runs": []}
     for _ in range(a.repeat):
         run = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            if a.kill_pid and i == a.kill_before:
+                os.kill(a.kill_pid, signal.SIGKILL)
             ttft = None
             if a.ttft:
                 t1 = time.monotonic()
