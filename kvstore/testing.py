@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .config import ServerConfig, ServiceConfig, StoreConfig, SyncConfig, WorkerConfig, run_dir, save_store
 from .errors import KVStoreError
@@ -272,7 +273,9 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, kv_heads:
                       num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=16384, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model: Any = LlamaForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(path)
     words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

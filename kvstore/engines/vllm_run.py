@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 
 def main() -> int:
@@ -69,9 +69,10 @@ def main() -> int:
             ttft = None
             if a.ttft:
                 t1 = time.monotonic()
-                llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+                llm.generate([cast(Any, {"prompt_token_ids": p})], SamplingParams(temperature=0, max_tokens=1),
+                             use_tqdm=False)
                 ttft = time.monotonic() - t1
-            o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+            o = llm.generate([cast(Any, {"prompt_token_ids": p})], sp, use_tqdm=False)[0]
             c = o.outputs[0]
             lps = [float(next(iter(d.values())).logprob) if d else None for d in (c.logprobs or [])]
             run.append({"tokens": list(c.token_ids), "logprobs": lps, "finish": c.finish_reason,

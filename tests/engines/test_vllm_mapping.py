@@ -1,4 +1,6 @@
-"""The vLLM connector's logic against simulated paged KV caches (no vLLM needed)."""
+"""The vLLM connector's planning and copying logic, fast, on caches shaped as vLLM 0.32 registers them
+([blocks, heads, tokens, C] per layer, also with non-contiguous strides). The proof inside vLLM itself
+is tests/engines/test_vllm_real.py; these pin down the cases that are slow to reach there."""
 
 from __future__ import annotations
 
@@ -10,25 +12,31 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore import KVCacheClient  # noqa: E402
-from kvstore.engines.vllm_mapping import LAYOUT, SchedulerSide, WorkerSide  # noqa: E402
+from kvstore.engines.vllm_mapping import SchedulerSide, WorkerSide, layout_of  # noqa: E402
 from kvstore.keys import KeyNamespace  # noqa: E402
 from kvstore.testing import make_store, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-LAYERS, HEADS, DIM, BS, BPP = 3, 2, 32, 8, 2
+LAYERS, HEADS, C, BS, BPP = 3, 2, 64, 8, 2
 PAGE_TOKENS = BS * BPP
-PAGE_BYTES = LAYERS * 2 * PAGE_TOKENS * HEADS * DIM * 2  # float16
-NS = KeyNamespace("sim-model@1", "float16", LAYERS, HEADS, DIM, PAGE_TOKENS, layout=LAYOUT)
+PAGE_BYTES = LAYERS * BPP * HEADS * BS * C * 2  # bfloat16
+NS = KeyNamespace("sim-model@1", "bfloat16", LAYERS, HEADS, C // 2, PAGE_TOKENS, layout="sim")
 
 
-def caches(num_blocks: int = 64, seed: int | None = None) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    return {f"layer.{i}": (torch.randn((2, num_blocks, BS, HEADS, DIM), generator=g).half() if g
-                           else torch.zeros((2, num_blocks, BS, HEADS, DIM), dtype=torch.float16))
-            for i in range(LAYERS)}
+def caches(num_blocks: int = 64, seed: int | None = None, head_major: bool = False) -> dict[str, Any]:
+    """Per-layer [B, H, N, C] views; ``head_major`` gives them the strides of an LHBNC layout."""
+    out = {}
+    for i in range(LAYERS):
+        g = torch.Generator().manual_seed(seed + i) if seed is not None else None
+        phys = (HEADS, num_blocks, BS, C) if head_major else (num_blocks, HEADS, BS, C)
+        t = torch.randn(phys, generator=g).bfloat16() if g else torch.zeros(phys, dtype=torch.bfloat16)
+        out[f"layer.{i}"] = t.permute(1, 0, 2, 3) if head_major else t
+    return out
 
 
+def worker(c: KVCacheClient, kv: dict[str, Any]) -> WorkerSide:
+    return WorkerSide(c, layout_of(kv, "SIM", BS), BS, BPP, kv)
 
 
 @pytest.fixture
@@ -39,57 +47,94 @@ def store(home: Path, file_devices: Any, services: Any) -> Path:
     return home
 
 
-def test_save_on_one_instance_load_into_another(store: Path) -> None:
+@pytest.mark.parametrize("head_major", [False, True])
+def test_chunked_prefill_saves_every_page_and_another_instance_loads_from_mid_page(store: Path,
+                                                                                   head_major: bool) -> None:
     prompt = list(range(1000, 1000 + 5 * PAGE_TOKENS + 3))  # 5 whole pages and a partial one
     with KVCacheClient.connect("vllm", home=store) as c:
-        # instance A computes the prompt into blocks 10.. and saves the pages when prefill completes
-        a_caches = caches(seed=1)
-        a_blocks = list(range(10, 10 + len(prompt) // BS + 1))
+        a_kv = caches(seed=1, head_major=head_major)
+        blocks = list(range(10, 10 + len(prompt) // BS + 1))
         sa = SchedulerSide(NS, BS, c.lookup)
         assert sa.num_new_matched_tokens("r1", prompt, 0) == 0
-        sa.prompt_progress("r1", prompt, a_blocks, len(prompt))
-        plan = sa.build_plan()
-        assert len(plan.saves) == 1 and len(plan.saves[0].keys) == 5
-        wa = WorkerSide(c, NS, BS, a_caches)
-        assert wa.save(plan.saves[0]) == 5
-        # instance B (other blocks, empty cache) loads them
-        b_caches = caches()
+        # prefill in chunks of 24 tokens; blocks arrive as the request grows
+        saved = []
+        for step, end in enumerate(range(24, len(prompt) + 24, 24)):
+            nb = blocks[:(min(end, len(prompt)) + BS - 1) // BS]
+            if step == 0:
+                sa.schedule("r1", prompt, nb, True, min(end, len(prompt)))
+            else:
+                sa.schedule("r1", None, nb[len(prev):], False, min(end, len(prompt)))
+            prev = nb
+            saved += sa.build_plan().saves
+        assert sum(len(t.keys) for t in saved) == 5      # every whole page, each once
+        wa = worker(c, a_kv)
+        assert sum(wa.save(t) for t in saved) == 5
+        # instance B holds the request's first block already (vLLM's own prefix cache): half a page
+        b_kv = caches(head_major=head_major)
         b_blocks = list(range(40, 40 + len(prompt) // BS + 1))
         sb = SchedulerSide(NS, BS, c.lookup)
-        assert wait_for(lambda: sb.num_new_matched_tokens("r9", prompt, 0) == 5 * PAGE_TOKENS)  # writes are async
-        assert sb.num_new_matched_tokens("r9", prompt, 8) == 0  # not on a page boundary: compute
-        assert sb.num_new_matched_tokens("r9", prompt, PAGE_TOKENS) == 4 * PAGE_TOKENS
-        sb.update_state_after_alloc("r9", b_blocks, 4 * PAGE_TOKENS)
-        plan = sb.build_plan()
-        assert [len(t.keys) for t in plan.loads] == [4]
-        assert WorkerSide(c, NS, BS, b_caches).load(plan.loads[0]) == set()
-        for name in a_caches:
-            # pages 1..4 = blocks 2..9 of the request
-            assert torch.equal(b_caches[name][:, b_blocks[2:10]], a_caches[name][:, a_blocks[2:10]])
-            assert not b_caches[name][:, b_blocks[:2]].any()  # page 0 was not planned: untouched
+        assert wait_for(lambda: sb.num_new_matched_tokens("r9", prompt, BS) == 5 * PAGE_TOKENS - BS)
+        sb.update_state_after_alloc("r9", b_blocks, 5 * PAGE_TOKENS - BS)
+        (load,) = sb.build_plan().loads
+        assert load.first[0] == 1 and load.block_ids[0] == (b_blocks[1],)  # page 0: only its 2nd block
+        marker = torch.full((HEADS, BS, C), 7.0, dtype=torch.bfloat16)
+        for t in b_kv.values():
+            t[b_blocks[0]] = marker                           # what vLLM already held
+        assert worker(c, b_kv).load(load) == set()
+        for name in a_kv:
+            assert torch.equal(b_kv[name][b_blocks[1:10]], a_kv[name][blocks[1:10]])
+            assert torch.equal(b_kv[name][b_blocks[0]], marker)  # untouched
+        # the loaded pages count as stored: B saves none of them again
+        sb.schedule("r9", prompt, b_blocks, True, len(prompt))
+        assert sb.build_plan().saves == []
+
+
+def test_resumed_request_replaces_its_blocks(store: Path) -> None:
+    prompt = list(range(3 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        s = SchedulerSide(NS, BS, c.lookup)
+        s.schedule("r", prompt, [1, 2], True, PAGE_TOKENS)           # page 0 done
+        assert [t.block_ids for t in s.build_plan().saves] == [((1, 2),)]
+        s.schedule("r", None, [7, 8, 9, 10, 11, 12, 13], True, len(prompt))  # preempted, resumed elsewhere
+        (t,) = s.build_plan().saves
+        assert t.block_ids == ((9, 10), (11, 12))                  # pages 1 and 2, in the new blocks
 
 
 def test_missing_pages_are_reported_as_load_errors(store: Path) -> None:
     prompt = list(range(3 * PAGE_TOKENS + 1))
     with KVCacheClient.connect("vllm", home=store) as c:
         a = caches(seed=2)
-        blocks = list(range(6 + 1))
         s = SchedulerSide(NS, BS, c.lookup)
-        s.prompt_progress("r", prompt, blocks, len(prompt))
-        WorkerSide(c, NS, BS, a).save(s.build_plan().saves[0])
+        s.schedule("r", prompt, list(range(7)), True, len(prompt))
+        worker(c, a).save(s.build_plan().saves[0])
         s2 = SchedulerSide(NS, BS, c.lookup)
         assert wait_for(lambda: s2.num_new_matched_tokens("q", prompt, 0) == 3 * PAGE_TOKENS)
         s2.update_state_after_alloc("q", list(range(20, 27)), 3 * PAGE_TOKENS)
         plan = s2.build_plan()
+        w = worker(c, caches())
     # the connection is gone before the worker loads: every planned block is a load error, nothing raises
-    w = WorkerSide(c, NS, BS, caches())
     assert w.load(plan.loads[0]) == set(range(20, 26))
 
 
-def test_geometry_errors_are_clear(store: Path) -> None:
+def test_cache_salt_separates_keys(store: Path) -> None:
+    prompt = list(range(2 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        s = SchedulerSide(NS, BS, c.lookup)
+        s.note_request("salted", "user-1")
+        s.schedule("salted", prompt, list(range(5)), True, len(prompt))
+        s.schedule("plain", prompt, list(range(5, 10)), True, len(prompt))
+        a, b = s.build_plan().saves
+        assert set(a.keys).isdisjoint(b.keys)
+
+
+def test_layouts_it_cannot_move_are_refused_clearly(store: Path) -> None:
     with KVCacheClient.connect("vllm", home=store) as c:
         with pytest.raises(ValueError, match="multiple of vLLM's block_size"):
             SchedulerSide(NS, 5, c.lookup)
-        big = {"l": torch.zeros((2, 4, BS, 64, 64), dtype=torch.float32)}
+        with pytest.raises(ValueError, match=r"shape \(2, 4, 8, 2, 32\).*\[blocks, heads, tokens, C\]"):
+            layout_of({"l": torch.zeros((2, 4, BS, 2, 32))}, "X", BS)
+        with pytest.raises(ValueError, match="differ in dtype"):
+            layout_of({"a": torch.zeros((4, 2, BS, 8)), "b": torch.zeros((4, 2, BS, 8), dtype=torch.float16)}, "X", BS)
+        big = {"l": torch.zeros((4, 64, BS, 64), dtype=torch.float32)}
         with pytest.raises(ValueError, match="--page-size >="):
-            WorkerSide(c, NS, BS, big)
+            WorkerSide(c, layout_of(big, "X", BS), BS, BPP, big)
