@@ -253,8 +253,8 @@ class Network:
         self.close()
 
 
-def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, kv_heads: int = 2, head_dim: int = 64,
-                    vocab: int = 1024, seed: int = 0) -> Path:
+def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int = 64, intermediate: int | None = None, vocab: int = 1024, seed: int = 0) -> Path:
     """Save a random-weight Llama (bfloat16) and an offline word-level tokenizer under ``path``.
 
     For tests and benchmarks of the engine adapters without any download: tokens are
@@ -269,8 +269,8 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, kv_heads:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=16384, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=False)
     model: Any = LlamaForCausalLM(cfg)

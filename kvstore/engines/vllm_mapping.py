@@ -290,7 +290,7 @@ class WorkerSide:
                         for cache, (off, shape) in zip(self.caches, self.parts):
                             n = int(np.prod(shape)) * cache.element_size()
                             page = raw[off:off + n].view(self.dtype).view(shape)
-                            cache[idx] = page[lo:hi].to(self.device)
+                            cache.index_copy_(0, idx, page[lo:hi].to(self.device))
                         del raw
                         done += 1
             return set()
