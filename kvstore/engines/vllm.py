@@ -29,9 +29,14 @@ What it does (logic in ``vllm_mapping.py``):
   through ``get_block_ids_with_load_errors``; the connector sets
   ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``,
   would end such a request with an error) and says so in the log.
-* Loads are synchronous (``start_load_kv``); saves copy the pages into the
-  store's shared memory in ``wait_for_save`` and the device writes finish
-  in the background (``put`` without waiting).
+* Loads are synchronous (``start_load_kv``). Saves are asynchronous (extra
+  config ``async_save``, default true): ``wait_for_save`` queues them for a
+  thread with its own connection that copies the blocks out and puts them; a
+  finished request's blocks stay with vLLM until ``get_finished`` reports its
+  saves done, and a preempted request's saves are waited for before its
+  blocks can be reused (``handle_preemptions``). With ``async_save: false``
+  the copy happens in ``wait_for_save`` and only the device writes finish in
+  the background.
 * Hybrid models (several KV cache groups) are not supported: the connector
   does not implement ``SupportsHMA``, so vLLM turns its hybrid allocator off;
   a model that still needs several groups is refused at start.
@@ -39,6 +44,7 @@ What it does (logic in ``vllm_mapping.py``):
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import structlog
@@ -48,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from ..client import KVCacheClient
 from ..keys import KeyNamespace
-from .vllm_mapping import Layout, SchedulerSide, StepPlan, WorkerSide, layout_of
+from .vllm_mapping import AsyncSaver, Layout, SchedulerSide, StepPlan, WorkerSide, layout_of
 
 log = structlog.get_logger(__name__)
 
@@ -115,11 +121,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.ns = KeyNamespace(model_id, self.expected[1], mc.get_num_layers(pc), max(1, int(spec.num_kv_heads)),
                                int(spec.head_size), page_tokens, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
                                tenant=str(extra.get("tenant", "")), layout=layout)
-        self.client = KVCacheClient.connect(extra["store"], server=extra.get("server"), home=extra.get("mass_home"))
+        self._connect = lambda: KVCacheClient.connect(extra["store"], server=extra.get("server"),
+                                                      home=extra.get("mass_home"))
+        self.client = self._connect()
         self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup)
+        self.async_save = bool(extra.get("async_save", True))
         self.worker: WorkerSide | None = None
+        self.saver: AsyncSaver | None = None
+        self.save_client: KVCacheClient | None = None
         self.layout: Layout | None = None
         self._load_errors: set[int] = set()
+        self._had_saves: set[str] = set()
+        self._finishing: set[str] = set()
+        self.save_s = 0.0  # time wait_for_save held up the step (the copy itself when saves are synchronous)
         if role == KVConnectorRole.SCHEDULER:
             log.info("kvstore connector ready", store=extra["store"], layout=layout, page_tokens=page_tokens)
 
@@ -147,11 +161,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             nb = cached.new_block_ids[i]
             self.scheduler.schedule(rid, None, nb[0] if nb is not None else None, rid in cached.resumed_req_ids,
                                     cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        self.scheduler.preempted(getattr(scheduler_output, "preempted_req_ids", None))
         return KVStoreConnectorMetadata(self.scheduler.build_plan())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler.request_finished(request.request_id)
-        return False, None
+        # with asynchronous saves, vLLM keeps the blocks until get_finished reports the saves done
+        held = self.scheduler.request_finished(request.request_id)
+        return held and self.async_save, None
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -166,8 +182,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ValueError(f"vLLM registered KV caches the kvstore connector did not expect: {layout.name} "
                              f"(expected backend {backend}, {dtype}, {block_bytes} bytes per layer and block)")
         self.layout = layout
-        self.worker = WorkerSide(self.client, layout, self.block_size, self.ns.page_tokens // self.block_size,
-                                 kv_caches)
+        bpp = self.ns.page_tokens // self.block_size
+        self.worker = WorkerSide(self.client, layout, self.block_size, bpp, kv_caches)
+        if self.async_save:  # its own connection: a save in progress never holds up a load
+            self.save_client = self._connect()
+            self.saver = AsyncSaver(WorkerSide(self.save_client, layout, self.block_size, bpp, kv_caches))
         log.info("kvstore connector registered the KV cache", layout=layout.name, layers=len(kv_caches),
                  page_bytes=self.worker.page_bytes)
 
@@ -183,15 +202,44 @@ class KVStoreConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # whole pages are saved in wait_for_save, after every layer is written
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # a preempted request's blocks may be reused by this very step: its saves go first
+        if self.saver is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata):
+            if kv_connector_metadata.plan.preempted and not self.saver.wait(kv_connector_metadata.plan.preempted):
+                log.warning("kvstore: saves of preempted requests still running after 60 s",
+                            reqs=sorted(kv_connector_metadata.plan.preempted))
+
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
+        t0 = time.perf_counter()
         for t in meta.plan.saves:
-            self.worker.save(t)
+            self._had_saves.add(t.req_id)
+            if self.saver is not None:
+                self.saver.submit(t)
+            else:
+                self.worker.save(t)
+        self.save_s += time.perf_counter() - t0
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.saver is None:
+            return None, None
+        self._finishing |= finished_req_ids & self._had_saves
+        done = {r for r in self._finishing if self.saver.done(r)}
+        self._finishing -= done
+        self._had_saves -= done
+        return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+            log.info("kvstore connector: saves", step_stall_s=round(self.save_s + self.saver.stall_s, 4))
+        elif self.worker is not None:
+            log.info("kvstore connector: saves", step_stall_s=round(self.save_s, 4))
+        if self.save_client is not None:
+            self.save_client.close()
         self.client.close()

@@ -28,6 +28,9 @@ recomputes it.
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +114,8 @@ class StepPlan:
 
     loads: list[PageTransfer] = field(default_factory=list)
     saves: list[PageTransfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    """Requests preempted this step whose blocks may be overwritten: their saves must be done first."""
 
 
 @dataclass
@@ -140,6 +145,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loaded: dict[str, int] = {}  # req -> pages known stored after its planned load
         self._salts: dict[str, bytes] = {}  # req -> chain root under its cache salt
+        self.saving: set[str] = set()  # requests with saves planned (their blocks are freed only once saved)
 
     def note_request(self, req_id: str, cache_salt: str | None) -> None:
         """A request arrived; pages of a request with a cache salt (vLLM's per-user isolation of
@@ -221,14 +227,25 @@ class SchedulerSide:
         keys = self._keys(req_id, r.prompt[:done * T])[r.saved:]
         blocks = tuple(tuple(r.blocks[p * self.bpp:(p + 1) * self.bpp]) for p in range(r.saved, done))
         self._plan.saves.append(PageTransfer(req_id, tuple(keys), blocks, (0,) * len(keys)))
+        self.saving.add(req_id)
         r.saved = done
 
-    def request_finished(self, req_id: str) -> None:
-        """Forget a request."""
+    def preempted(self, req_ids: set[str] | None) -> None:
+        """Requests preempted this step: the workers finish their saves before the blocks are reused."""
+        if req_ids:
+            self._plan.preempted |= set(req_ids) & self.saving
+
+    def request_finished(self, req_id: str) -> bool:
+        """Forget a request; True if saves were planned for it (vLLM must keep its blocks until the
+        workers report those saves done)."""
         self._matched.pop(req_id, None)
         self._reqs.pop(req_id, None)
         self._loaded.pop(req_id, None)
         self._salts.pop(req_id, None)
+        if req_id in self.saving:
+            self.saving.discard(req_id)
+            return True
+        return False
 
     def build_plan(self) -> StepPlan:
         """This step's plan; the next one starts empty."""
@@ -320,3 +337,63 @@ class WorkerSide:
         except Exception as e:
             log.warning("kvstore save failed", req=t.req_id, error=repr(e))
             return 0
+
+
+class AsyncSaver:
+    """Saves pages on a thread of its own, so ``wait_for_save`` does not hold up the next forward pass.
+
+    Invariant: a request's blocks are read only while vLLM keeps them: the connector reports a
+    finished request's saves as done (``done``) only when none is pending, and a preempted
+    request's saves are waited for (``wait``) before its blocks can be reused. ``stall_s``
+    counts the time callers spent waiting for it.
+    """
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self.worker = worker
+        self.q: queue.Queue[PageTransfer | None] = queue.Queue()
+        self.pending: dict[str, int] = {}
+        self.cv = threading.Condition()
+        self.stall_s = 0.0
+        self.thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
+        self.thread.start()
+
+    def submit(self, t: PageTransfer) -> None:
+        """Queue the save of ``t`` (its blocks must stay untouched until it is done)."""
+        with self.cv:
+            self.pending[t.req_id] = self.pending.get(t.req_id, 0) + 1
+        self.q.put(t)
+
+    def _run(self) -> None:
+        while True:
+            t = self.q.get()
+            if t is None:
+                return
+            try:
+                self.worker.save(t)
+            finally:
+                with self.cv:
+                    n = self.pending[t.req_id] - 1
+                    if n:
+                        self.pending[t.req_id] = n
+                    else:
+                        del self.pending[t.req_id]
+                    self.cv.notify_all()
+
+    def done(self, req_id: str) -> bool:
+        """Whether no save of ``req_id`` is pending."""
+        with self.cv:
+            return req_id not in self.pending
+
+    def wait(self, req_ids: set[str], timeout: float = 60.0) -> bool:
+        """Block until no save of ``req_ids`` is pending (or ``timeout``); True if none is."""
+        t0 = time.monotonic()
+        with self.cv:
+            ok = self.cv.wait_for(lambda: not (req_ids & self.pending.keys()), timeout)
+        self.stall_s += time.monotonic() - t0
+        return ok
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish what is queued, then stop the thread."""
+        self.q.put(None)
+        self.thread.join(timeout)
+

@@ -41,7 +41,8 @@ def child(a: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     plan = json.loads(Path(a.plan).read_text())
-    extra = {"store": "bench", "server": a.server, "page_tokens": a.page_tokens, "mass_home": os.environ["MASS_HOME"]}
+    extra = {"store": "bench", "server": a.server, "page_tokens": a.page_tokens, "mass_home": os.environ["MASS_HOME"],
+             "async_save": not a.sync_save}
     llm = LLM(model=a.model, dtype="bfloat16", max_model_len=16384, enforce_eager=True, seed=0,
               max_num_batched_tokens=a.step,
               kv_transfer_config={"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.engines.vllm",
@@ -72,7 +73,8 @@ def run_child(home: Path, model: Path, server: str, plan: list[dict[str, Any]], 
     env = {**os.environ, "MASS_HOME": str(home), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
         "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
     r = subprocess.run([sys.executable, __file__, "--child", "--model", str(model), "--plan", str(pf), "--server", server,
-                        "--page-tokens", str(a.page_tokens), "--step", str(a.step)],
+                        "--page-tokens", str(a.page_tokens), "--step", str(a.step)]
+                       + (["--sync-save"] if a.sync_save else []),
                        env=env, capture_output=True, text=True, timeout=3600)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -92,6 +94,7 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--page-tokens", type=int, default=128)
     ap.add_argument("--step", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--sync-save", action="store_true", help="save in wait_for_save (the connector's async_save off)")
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -145,7 +148,7 @@ def main() -> int:
                      "remote_store_s": round(remote, 4), "remote_over_cold": round(remote / cold, 4),
                      "local_over_cold": round(local / cold, 4), "tokens_equal": same,
                      "cold_all": [round(r["cold"], 4) for r in xa], "remote_all": [round(r["remote"], 4) for r in xb]})
-    rep = {"model": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
+    rep = {"async_save": not a.sync_save, "model": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
                      "head_dim": a.head_dim, "intermediate": a.intermediate},
            "page_tokens": a.page_tokens, "page_bytes": page, "repeat": a.repeat, "rows": rows}
     print(f"{'prefix':>7} {'cold':>9} {'own cache':>10} {'store (b)':>10} {'store/cold':>11} {'tokens':>7}")

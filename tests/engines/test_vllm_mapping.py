@@ -138,3 +138,23 @@ def test_layouts_it_cannot_move_are_refused_clearly(store: Path) -> None:
         big = {"l": torch.zeros((4, 64, BS, 64), dtype=torch.float32)}
         with pytest.raises(ValueError, match="--page-size >="):
             WorkerSide(c, layout_of(big, "X", BS), BS, BPP, big)
+
+
+def test_async_saves_report_done_only_when_saved_and_wait_for_preempted(store: Path) -> None:
+    from kvstore.engines.vllm_mapping import AsyncSaver
+
+    prompt = list(range(4 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c, KVCacheClient.connect("vllm", home=store) as c2:
+        kv = caches(seed=3)
+        s = SchedulerSide(NS, BS, c.lookup)
+        s.schedule("r", prompt, list(range(9)), True, len(prompt))
+        s.preempted({"r", "other"})
+        plan = s.build_plan()
+        assert plan.preempted == {"r"}                      # only requests with saves are waited for
+        saver = AsyncSaver(worker(c2, kv))
+        saver.submit(plan.saves[0])
+        assert saver.wait({"r"}, timeout=30) and saver.done("r")
+        saver.close()
+        assert s.request_finished("r") is True and s.request_finished("never-saved") is False
+        s2 = SchedulerSide(NS, BS, c.lookup)
+        assert wait_for(lambda: s2.num_new_matched_tokens("q", prompt, 0) == 4 * PAGE_TOKENS)
