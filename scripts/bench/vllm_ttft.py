@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -33,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+STALLS: dict[str, float | None] = {}
 QUESTION = 32  # tokens after the shared prefix (never stored: the last partial page is computed)
 
 
@@ -63,6 +65,7 @@ def child(a: argparse.Namespace) -> int:
             row["tokens"] = list(o.outputs[0].token_ids)
         out.append(row)
     print("RESULT " + json.dumps(out), flush=True)
+    llm.llm_engine.engine_core.shutdown()  # the connector logs its save figures at shutdown
     return 0
 
 
@@ -79,6 +82,9 @@ def run_child(home: Path, model: Path, server: str, plan: list[dict[str, Any]], 
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
         raise SystemExit(f"vLLM process {tag} failed:\n{(r.stdout + r.stderr)[-4000:]}")
+    # the connector logs, at engine shutdown, how long saving held up the engine's steps in total
+    stall = re.findall(r"step_stall_s=([0-9.]+)", r.stdout + r.stderr)
+    STALLS[tag] = float(stall[-1]) if stall else None
     return list(json.loads(line[7:]))
 
 
@@ -148,13 +154,15 @@ def main() -> int:
                      "remote_store_s": round(remote, 4), "remote_over_cold": round(remote / cold, 4),
                      "local_over_cold": round(local / cold, 4), "tokens_equal": same,
                      "cold_all": [round(r["cold"], 4) for r in xa], "remote_all": [round(r["remote"], 4) for r in xb]})
-    rep = {"async_save": not a.sync_save, "model": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
+    rep = {"async_save": not a.sync_save, "save_stall_s_server_a": STALLS.get("a"), "model": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
                      "head_dim": a.head_dim, "intermediate": a.intermediate},
            "page_tokens": a.page_tokens, "page_bytes": page, "repeat": a.repeat, "rows": rows}
     print(f"{'prefix':>7} {'cold':>9} {'own cache':>10} {'store (b)':>10} {'store/cold':>11} {'tokens':>7}")
     for r in rows:
         print(f"{r['length']:>7} {r['cold_s']:>8.3f}s {r['local_prefix_cache_s']:>9.3f}s {r['remote_store_s']:>9.3f}s "
               f"{r['remote_over_cold']:>11.3f} {'same' if r['tokens_equal'] else 'DIFF':>7}")
+    print(f"time saving held up server a's engine steps, in total: {STALLS.get('a')} s "
+          f"({'asynchronous' if not a.sync_save else 'synchronous'} saves)")
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=2))
     return 0 if all(r["tokens_equal"] for r in rows) else 1
