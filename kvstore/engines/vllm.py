@@ -29,7 +29,11 @@ What it does (logic in ``vllm_mapping.py``):
   through ``get_block_ids_with_load_errors``; the connector sets
   ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``,
   would end such a request with an error) and says so in the log.
-* Loads are synchronous (``start_load_kv``). Saves are asynchronous (extra
+* Loads are asynchronous (extra config ``async_load``, default true): vLLM
+  parks a request that loads until the workers report its pages in
+  (``get_finished``), and a thread with its own connection fills its blocks
+  while the running requests' steps go on; with ``async_load: false`` they
+  happen in ``start_load_kv`` before the step's forward pass. Saves are asynchronous (extra
   config ``async_save``, default true): ``wait_for_save`` queues them for a
   thread with its own connection that copies the blocks out and puts them; a
   finished request's blocks stay with vLLM until ``get_finished`` reports its
@@ -54,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from ..client import KVCacheClient
 from ..keys import KeyNamespace
-from .vllm_mapping import AsyncSaver, Layout, SchedulerSide, StepPlan, WorkerSide, layout_of
+from .vllm_mapping import AsyncLoader, AsyncSaver, Layout, SchedulerSide, StepPlan, WorkerSide, layout_of
 
 log = structlog.get_logger(__name__)
 
@@ -126,9 +130,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.client = self._connect()
         self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup)
         self.async_save = bool(extra.get("async_save", True))
+        self.async_load = bool(extra.get("async_load", True))
         self.worker: WorkerSide | None = None
         self.saver: AsyncSaver | None = None
+        self.loader: AsyncLoader | None = None
         self.save_client: KVCacheClient | None = None
+        self.load_client: KVCacheClient | None = None
         self.layout: Layout | None = None
         self._load_errors: set[int] = set()
         self._had_saves: set[str] = set()
@@ -146,7 +153,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not prompt:
             return 0, False
         n = self.scheduler.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens)
-        return n, False
+        # asynchronous: vLLM parks the request until the workers report its pages loaded, and runs
+        # the others meanwhile
+        return n, bool(n) and self.async_load
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
@@ -187,14 +196,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.async_save:  # its own connection: a save in progress never holds up a load
             self.save_client = self._connect()
             self.saver = AsyncSaver(WorkerSide(self.save_client, layout, self.block_size, bpp, kv_caches))
+        if self.async_load:
+            self.load_client = self._connect()
+            self.loader = AsyncLoader(WorkerSide(self.load_client, layout, self.block_size, bpp, kv_caches))
         log.info("kvstore connector registered the KV cache", layout=layout.name, layers=len(kv_caches),
                  page_bytes=self.worker.page_bytes)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
+        if self.loader is not None:
+            for t in meta.plan.loads:
+                self.loader.submit(t)
+            for req_id, blocks in meta.plan.failed.items():
+                self.loader.fail(req_id, blocks)
+            return
         for t in meta.plan.loads:
             self._load_errors |= self.worker.load(t)
+        for blocks in meta.plan.failed.values():
+            self._load_errors |= set(blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv
@@ -222,19 +242,27 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.save_s += time.perf_counter() - t0
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.saver is None:
-            return None, None
-        self._finishing |= finished_req_ids & self._had_saves
-        done = {r for r in self._finishing if self.saver.done(r)}
-        self._finishing -= done
-        self._had_saves -= done
-        return (done or None), None
+        saved: set[str] = set()
+        if self.saver is not None:
+            self._finishing |= finished_req_ids & self._had_saves
+            saved = {r for r in self._finishing if self.saver.done(r)}
+            self._finishing -= saved
+            self._had_saves -= saved
+        loaded = self.loader.take_done() if self.loader is not None else set()
+        return (saved or None), (loaded or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM asks right after get_finished: the errors of every load reported done are in here
         errors, self._load_errors = self._load_errors, set()
+        if self.loader is not None:
+            errors |= self.loader.take_errors()
         return errors
 
     def shutdown(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+        if self.load_client is not None:
+            self.load_client.close()
         if self.saver is not None:
             self.saver.close()
             log.info("kvstore connector: saves", step_stall_s=round(self.save_s + self.saver.stall_s, 4))

@@ -116,6 +116,9 @@ class StepPlan:
     saves: list[PageTransfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     """Requests preempted this step whose blocks may be overwritten: their saves must be done first."""
+    failed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Requests vLLM waits on for an asynchronous load that could not be planned: their blocks are
+    reported as load errors (recomputed) and the requests as loaded."""
 
 
 @dataclass
@@ -190,7 +193,8 @@ class SchedulerSide:
         bs, T = self.block_size, self.ns.page_tokens
         start_blk, end_blk = computed // bs, (computed + num_external_tokens) // bs
         if end_blk > len(block_ids) or (num_external_tokens % bs):
-            log.warning("load does not fit the request's blocks; skipping it", req=req_id)
+            log.warning("load does not fit the request's blocks; they are recomputed", req=req_id)
+            self._plan.failed[req_id] = tuple(block_ids[start_blk:end_blk])
             return
         pk, pb, pf = [], [], []
         for i, key in enumerate(keys):
@@ -391,6 +395,74 @@ class AsyncSaver:
             ok = self.cv.wait_for(lambda: not (req_ids & self.pending.keys()), timeout)
         self.stall_s += time.monotonic() - t0
         return ok
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish what is queued, then stop the thread."""
+        self.q.put(None)
+        self.thread.join(timeout)
+
+
+class AsyncLoader:
+    """Loads pages on a thread of its own, for requests vLLM parks until their KV has arrived
+    (``load_kv_async``), so the steps of running requests never wait for the store.
+
+    Invariant: a request is reported done (``take_done``) only after every one of its loads has
+    finished and every block it could not fill is in ``errors``; vLLM writes none of those
+    blocks meanwhile (the request is not running).
+    """
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self.worker = worker
+        self.q: queue.Queue[PageTransfer | None] = queue.Queue()
+        self.pending: dict[str, int] = {}
+        self.done: set[str] = set()
+        self.errors: set[int] = set()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
+        self.thread.start()
+
+    def submit(self, t: PageTransfer) -> None:
+        """Queue the load of ``t``."""
+        with self.lock:
+            self.pending[t.req_id] = self.pending.get(t.req_id, 0) + 1
+        self.q.put(t)
+
+    def fail(self, req_id: str, blocks: Sequence[int]) -> None:
+        """A request whose load could not be planned: its blocks are errors, and it is done."""
+        with self.lock:
+            self.errors |= set(blocks)
+            if req_id not in self.pending:
+                self.done.add(req_id)
+
+    def _run(self) -> None:
+        while True:
+            t = self.q.get()
+            if t is None:
+                return
+            bad: set[int] = set(t.all_blocks())
+            try:
+                bad = self.worker.load(t)
+            finally:
+                with self.lock:
+                    self.errors |= bad  # before the request can be reported done
+                    n = self.pending[t.req_id] - 1
+                    if n:
+                        self.pending[t.req_id] = n
+                    else:
+                        del self.pending[t.req_id]
+                        self.done.add(t.req_id)
+
+    def take_done(self) -> set[str]:
+        """Requests whose loads all finished since the last call."""
+        with self.lock:
+            out, self.done = self.done, set()
+            return out
+
+    def take_errors(self) -> set[int]:
+        """Blocks that could not be filled, since the last call."""
+        with self.lock:
+            out, self.errors = self.errors, set()
+            return out
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish what is queued, then stop the thread."""

@@ -158,3 +158,39 @@ def test_async_saves_report_done_only_when_saved_and_wait_for_preempted(store: P
         assert s.request_finished("r") is True and s.request_finished("never-saved") is False
         s2 = SchedulerSide(NS, BS, c.lookup)
         assert wait_for(lambda: s2.num_new_matched_tokens("q", prompt, 0) == 4 * PAGE_TOKENS)
+
+
+def test_async_loads_report_errors_no_later_than_the_request(store: Path) -> None:
+    from kvstore.engines.vllm_mapping import AsyncLoader
+
+    prompt = list(range(3 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c, KVCacheClient.connect("vllm", home=store) as c2:
+        a = caches(seed=4)
+        s = SchedulerSide(NS, BS, c.lookup)
+        s.schedule("r", prompt, list(range(7)), True, len(prompt))
+        worker(c, a).save(s.build_plan().saves[0])
+        s2 = SchedulerSide(NS, BS, c.lookup)
+        assert wait_for(lambda: s2.num_new_matched_tokens("q", prompt, 0) == 3 * PAGE_TOKENS)
+        s2.update_state_after_alloc("q", list(range(20, 27)), 3 * PAGE_TOKENS)
+        assert s2.num_new_matched_tokens("z", prompt, 0) == 3 * PAGE_TOKENS
+        s2.update_state_after_alloc("z", [30, 31], 3 * PAGE_TOKENS)  # blocks that cannot hold the load
+        plan = s2.build_plan()
+        assert plan.failed == {"z": (30, 31)}                      # vLLM waits for z: it must hear of it
+        b = caches()
+        loader = AsyncLoader(worker(c2, b))
+        loader.submit(plan.loads[0])
+        for req, blocks in plan.failed.items():
+            loader.fail(req, blocks)
+        done: set[str] = set()
+        assert wait_for(lambda: done.update(loader.take_done()) or done == {"q", "z"}, 30), done
+        assert loader.take_errors() == {30, 31}                    # z recomputes
+        for name in a:
+            assert torch.equal(b[name][20:26], a[name][0:6])
+        loader.close()
+    # a load whose service is gone: its blocks are errors, reported with (or before) the request
+    broken = AsyncLoader(worker(c2, caches()))
+    broken.submit(plan.loads[0])
+    got: set[str] = set()
+    assert wait_for(lambda: got.update(broken.take_done()) or "q" in got, 30)
+    assert broken.take_errors() == set(range(20, 26))
+    broken.close()
