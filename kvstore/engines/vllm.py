@@ -70,8 +70,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any, list[str]]:
-    """The backend name, attention spec and layer names vLLM will register (both roles agree)."""
+def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any]:
+    """The backend name and attention spec of the caches vLLM will register (both roles agree)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
@@ -91,7 +91,7 @@ def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any, 
     names = sorted({b.get_name() for b in backends})
     if len(names) != 1:
         raise ValueError(f"the kvstore connector needs one attention backend; this engine uses {names}")
-    return names[0], spec, list(groups[0].layer_names)
+    return names[0], spec
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -111,7 +111,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         page_tokens = int(extra.get("page_tokens", self.block_size))
-        backend, spec, self.layer_names = _expected_layout(vllm_config, kv_cache_config)
+        backend, spec = _expected_layout(vllm_config, kv_cache_config)
         self.expected = (backend, str(spec.dtype).removeprefix("torch."), int(spec.page_size_bytes))
         layout = (f"vllm:{backend}:{self.expected[1]}:block{spec.block_size}:"
                   f"{spec.num_kv_heads}x{spec.head_size}:{self.expected[2]}B")
