@@ -343,7 +343,63 @@ class WorkerSide:
             return 0
 
 
-class AsyncSaver:
+class _TransferThread:
+    """A thread that runs queued page transfers in order, counting each request's pending ones.
+
+    Subclasses say what a transfer does (``_do``) and what finishing a request's last one means
+    (``_finished``, called under ``cv``)."""
+
+    name = "kvstore-transfer"
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self.worker = worker
+        self.q: queue.Queue[PageTransfer | None] = queue.Queue()
+        self.pending: dict[str, int] = {}
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self.thread.start()
+
+    def submit(self, t: PageTransfer) -> None:
+        """Queue ``t`` (its blocks must stay untouched by vLLM until it is done)."""
+        with self.cv:
+            self.pending[t.req_id] = self.pending.get(t.req_id, 0) + 1
+        self.q.put(t)
+
+    def _do(self, t: PageTransfer) -> set[int]:
+        raise NotImplementedError
+
+    def _finished(self, req_id: str) -> None:
+        """The last pending transfer of ``req_id`` is done (``cv`` is held)."""
+
+    def _run(self) -> None:
+        while True:
+            t = self.q.get()
+            if t is None:
+                return
+            bad: set[int] = t.all_blocks()
+            try:
+                bad = self._do(t)
+            finally:
+                with self.cv:
+                    self._account(bad)  # before the request can be reported done
+                    n = self.pending[t.req_id] - 1
+                    if n:
+                        self.pending[t.req_id] = n
+                    else:
+                        del self.pending[t.req_id]
+                        self._finished(t.req_id)
+                    self.cv.notify_all()
+
+    def _account(self, bad: set[int]) -> None:
+        """Blocks the transfer could not move (``cv`` is held)."""
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish what is queued, then stop the thread."""
+        self.q.put(None)
+        self.thread.join(timeout)
+
+
+class AsyncSaver(_TransferThread):
     """Saves pages on a thread of its own, so ``wait_for_save`` does not hold up the next forward pass.
 
     Invariant: a request's blocks are read only while vLLM keeps them: the connector reports a
@@ -352,36 +408,15 @@ class AsyncSaver:
     counts the time callers spent waiting for it.
     """
 
+    name = "kvstore-save"
+
     def __init__(self, worker: WorkerSide) -> None:
-        self.worker = worker
-        self.q: queue.Queue[PageTransfer | None] = queue.Queue()
-        self.pending: dict[str, int] = {}
-        self.cv = threading.Condition()
         self.stall_s = 0.0
-        self.thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
-        self.thread.start()
+        super().__init__(worker)
 
-    def submit(self, t: PageTransfer) -> None:
-        """Queue the save of ``t`` (its blocks must stay untouched until it is done)."""
-        with self.cv:
-            self.pending[t.req_id] = self.pending.get(t.req_id, 0) + 1
-        self.q.put(t)
-
-    def _run(self) -> None:
-        while True:
-            t = self.q.get()
-            if t is None:
-                return
-            try:
-                self.worker.save(t)
-            finally:
-                with self.cv:
-                    n = self.pending[t.req_id] - 1
-                    if n:
-                        self.pending[t.req_id] = n
-                    else:
-                        del self.pending[t.req_id]
-                    self.cv.notify_all()
+    def _do(self, t: PageTransfer) -> set[int]:
+        self.worker.save(t)
+        return set()
 
     def done(self, req_id: str) -> bool:
         """Whether no save of ``req_id`` is pending."""
@@ -396,13 +431,8 @@ class AsyncSaver:
         self.stall_s += time.monotonic() - t0
         return ok
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Finish what is queued, then stop the thread."""
-        self.q.put(None)
-        self.thread.join(timeout)
 
-
-class AsyncLoader:
+class AsyncLoader(_TransferThread):
     """Loads pages on a thread of its own, for requests vLLM parks until their KV has arrived
     (``load_kv_async``), so the steps of running requests never wait for the store.
 
@@ -411,61 +441,37 @@ class AsyncLoader:
     blocks meanwhile (the request is not running).
     """
 
+    name = "kvstore-load"
+
     def __init__(self, worker: WorkerSide) -> None:
-        self.worker = worker
-        self.q: queue.Queue[PageTransfer | None] = queue.Queue()
-        self.pending: dict[str, int] = {}
         self.done: set[str] = set()
         self.errors: set[int] = set()
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
-        self.thread.start()
+        super().__init__(worker)
 
-    def submit(self, t: PageTransfer) -> None:
-        """Queue the load of ``t``."""
-        with self.lock:
-            self.pending[t.req_id] = self.pending.get(t.req_id, 0) + 1
-        self.q.put(t)
+    def _do(self, t: PageTransfer) -> set[int]:
+        return self.worker.load(t)
+
+    def _account(self, bad: set[int]) -> None:
+        self.errors |= bad
+
+    def _finished(self, req_id: str) -> None:
+        self.done.add(req_id)
 
     def fail(self, req_id: str, blocks: Sequence[int]) -> None:
         """A request whose load could not be planned: its blocks are errors, and it is done."""
-        with self.lock:
+        with self.cv:
             self.errors |= set(blocks)
             if req_id not in self.pending:
                 self.done.add(req_id)
 
-    def _run(self) -> None:
-        while True:
-            t = self.q.get()
-            if t is None:
-                return
-            bad: set[int] = set(t.all_blocks())
-            try:
-                bad = self.worker.load(t)
-            finally:
-                with self.lock:
-                    self.errors |= bad  # before the request can be reported done
-                    n = self.pending[t.req_id] - 1
-                    if n:
-                        self.pending[t.req_id] = n
-                    else:
-                        del self.pending[t.req_id]
-                        self.done.add(t.req_id)
-
     def take_done(self) -> set[str]:
         """Requests whose loads all finished since the last call."""
-        with self.lock:
+        with self.cv:
             out, self.done = self.done, set()
             return out
 
     def take_errors(self) -> set[int]:
         """Blocks that could not be filled, since the last call."""
-        with self.lock:
+        with self.cv:
             out, self.errors = self.errors, set()
             return out
-
-    def close(self, timeout: float = 60.0) -> None:
-        """Finish what is queued, then stop the thread."""
-        self.q.put(None)
-        self.thread.join(timeout)
-

@@ -67,9 +67,8 @@ def test_idempotent(a: list[Any]) -> None:
     assert state_after(a) == state_after(a, a) == state_after(a + a)
 
 
-@settings(max_examples=200)
-@given(st.lists(records, max_size=40), st.randoms(use_true_random=False))
-def test_any_permutation_or_duplication_converges(log: list[Any], rnd: Any) -> None:
+def redelivered(log: list[Any], rnd: Any) -> list[list[Any]]:
+    """The log with some records duplicated, shuffled, and cut into batches of 1-5."""
     shuffled = list(log) + [r for r in log if rnd.random() < 0.3]
     rnd.shuffle(shuffled)
     chunks = []
@@ -77,7 +76,13 @@ def test_any_permutation_or_duplication_converges(log: list[Any], rnd: Any) -> N
         k = rnd.randint(1, 5)
         chunks.append(shuffled[:k])
         shuffled = shuffled[k:]
-    assert state_after(*chunks) == state_after(log)
+    return chunks
+
+
+@settings(max_examples=200)
+@given(st.lists(records, max_size=40), st.randoms(use_true_random=False))
+def test_any_permutation_or_duplication_converges(log: list[Any], rnd: Any) -> None:
+    assert state_after(*redelivered(log, rnd)) == state_after(log)
 
 
 def test_tie_on_generation_and_state_is_decided_by_content_not_arrival() -> None:
@@ -98,14 +103,7 @@ def test_laws_hold_for_conflicting_registers(a: list[Any], b: list[Any], c: list
 @settings(max_examples=200)
 @given(st.lists(conflicting, max_size=40), st.randoms(use_true_random=False))
 def test_conflicting_log_converges_in_any_order(log: list[Any], rnd: Any) -> None:
-    shuffled = list(log) + [r for r in log if rnd.random() < 0.3]
-    rnd.shuffle(shuffled)
-    chunks = []
-    while shuffled:
-        k = rnd.randint(1, 5)
-        chunks.append(shuffled[:k])
-        shuffled = shuffled[k:]
-    assert state_after(*chunks) == state_after(log)
+    assert state_after(*redelivered(log, rnd)) == state_after(log)
 
 
 def test_snapshot_is_a_big_delta() -> None:
