@@ -99,15 +99,35 @@ def test_other_local_users_cannot_connect(home: Path, file_devices: Any, service
     assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
 
 
-def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, services: Any) -> None:
+def nogroup_or_skip() -> int:
+    """The gid of 'nogroup' where a client can run as another user here (root, a system python3)."""
     import grp
 
     if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
         pytest.skip("needs root and a system python3 to run a client as another user")
     try:
-        gid = grp.getgrnam("nogroup").gr_gid
+        return grp.getgrnam("nogroup").gr_gid
     except KeyError:
         pytest.skip("no 'nogroup' group here")
+
+
+def run_as_other_user(home: Path, gid: int, code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` with the system python3 as uid 65534 in group ``gid``, with the directories
+    above ``home`` opened for the run only (so that the service's own modes decide)."""
+    opened = [d for d in [home, *home.parents] if d != Path("/")]
+    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
+    try:
+        for d in opened:
+            os.chmod(d, modes[d] | 0o005)
+        return subprocess.run(["setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups", "/usr/bin/python3",
+                               "-c", code], capture_output=True, text=True, cwd="/")
+    finally:
+        for d in opened:
+            os.chmod(d, modes[d])
+
+
+def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, services: Any) -> None:
+    gid = nogroup_or_skip()
     (dev,) = file_devices.make(1, (1 << 20) + 20 * (4096 + PS))
     cfg = make_store(home, "t", [dev], PS)
     save_store(dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, access_group="nogroup")), home)
@@ -118,18 +138,8 @@ def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, se
     for seg in svc.leftovers():
         s2 = os.stat(Path("/dev/shm") / seg)
         assert stat.S_IMODE(s2.st_mode) == 0o660 and s2.st_gid == gid, seg
-    opened = [d for d in [home, *home.parents] if d != Path("/")]
-    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
-    try:
-        for d in opened:
-            os.chmod(d, modes[d] | 0o005)
-        code = ("import socket; s = socket.socket(socket.AF_UNIX); "
-                f"s.connect({str(sock)!r}); print('connected')")
-        r = subprocess.run(["setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups", "/usr/bin/python3",
-                            "-c", code], capture_output=True, text=True, cwd="/")
-    finally:
-        for d in opened:
-            os.chmod(d, modes[d])
+    r = run_as_other_user(home, gid, "import socket; s = socket.socket(socket.AF_UNIX); "
+                                     f"s.connect({str(sock)!r}); print('connected')")
     assert r.returncode == 0 and "connected" in r.stdout, r.stderr
 
 
@@ -151,16 +161,9 @@ def test_tenant_comes_from_credentials(home: Path, file_devices: Any, services: 
 def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, services: Any) -> None:
     """A process of another uid (in the access group) asks for tenant alpha, mapped to this user only:
     refused. Its hello says nothing about who it is; the kernel does."""
-    import grp
-
     import msgpack
 
-    if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
-        pytest.skip("needs root and a system python3 to run a client as another user")
-    try:
-        gid = grp.getgrnam("nogroup").gr_gid
-    except KeyError:
-        pytest.skip("no 'nogroup' group here")
+    gid = nogroup_or_skip()
     (dev,) = file_devices.make(1, (1 << 20) + 20 * (4096 + PS))
     cfg = make_store(home, "t", [dev], PS)
     save_store(dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, access_group="nogroup"),
@@ -172,16 +175,7 @@ def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, servi
     code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(5); "
             f"s.connect({str(sock)!r}); s.sendall(bytes.fromhex({frame.hex()!r})); "
             "d = b''\nwhile True:\n    c = s.recv(65536)\n    if not c: break\n    d += c\nprint(d.hex())")
-    opened = [d for d in [home, *home.parents] if d != Path("/")]
-    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
-    try:
-        for d in opened:
-            os.chmod(d, modes[d] | 0o005)
-        r = subprocess.run(["setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups", "/usr/bin/python3",
-                            "-c", code], capture_output=True, text=True, cwd="/")
-    finally:
-        for d in opened:
-            os.chmod(d, modes[d])
+    r = run_as_other_user(home, gid, code)
     assert r.returncode == 0, r.stderr
     data = bytes.fromhex(r.stdout.strip())
     reply = msgpack.unpackb(data[4:])
