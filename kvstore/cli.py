@@ -1,9 +1,10 @@
 """mass-ctl: the administrator's and GPU server's command line.
 
-    mass-ctl kvcache create STORE --device PATH... --page-size SIZE --server NAME[=HOST:PORT]...
+    mass-ctl kvcache create STORE --device PATH... --page-size SIZE --server NAME[=HOST:PORT[:PUBLIC]]...
                             [--area-size SIZE | --spare N]
-    mass-ctl kvcache allow STORE NAME[=HOST:PORT] [--reuse DENIED] / deny STORE NAME
-    mass-ctl kvcache connect STORE [--server NAME]
+    mass-ctl kvcache allow STORE NAME[=HOST:PORT] [--key PUBLIC] [--reuse DENIED] / deny STORE NAME
+    mass-ctl kvcache keygen STORE [--server NAME]
+    mass-ctl kvcache connect STORE [--device PATH]... [--server NAME] [--admin-key HEX]
     mass-ctl kvcache connect STORE [--server NAME] --daemon / disconnect STORE [--server NAME]
     mass-ctl kvcache status STORE [--server NAME] [--json] [--watch]
     mass-ctl kvcache list / show STORE [--json] / dashboard STORE
@@ -29,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from ._units import format_size, parse_size
-from .config import (ServerConfig, StoreConfig, check_name, check_page_size, key_path, load_store,
-                     mass_home, run_dir, save_store, store_path)
+from .config import (ServerConfig, StoreConfig, admin_key_path, check_address, check_name, check_page_size, key_path,
+                     load_store, mass_home, run_dir, save_store, store_path)
 from .errors import AlreadyRunning, DeviceMismatch, KVStoreError, NotAllowed, StoreNotFound
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
+#: How often a running service re-reads the superblocks for allow/deny (service/membership.py).
+MEMBERSHIP_POLL_S = 1.0
 
 
 def _err(msg: str) -> None:
@@ -41,7 +44,9 @@ def _err(msg: str) -> None:
 
 
 def cmd_create(a: argparse.Namespace) -> int:
-    from .storage.device import device_size, format_device
+    from .admin import ServerSpec, create_store
+    from .storage.device import device_size
+    from .storage.membership import fingerprint
     from .storage.superblock import BLOCK, MAX_AREAS, areas_that_fit
 
     home = mass_home()
@@ -50,25 +55,12 @@ def cmd_create(a: argparse.Namespace) -> int:
     if store_path(a.store, home).exists() and not a.force:
         _err(f"store {a.store!r} already exists ({store_path(a.store, home)}); pass --force to replace it")
         return EXIT_REFUSED
-    from .crdt.keys import create_keypair
-
-    specs = [s.partition("=") for s in a.server]
-    for n, _, sync in specs:
-        ServerConfig(n, sync)  # validate names and addresses before anything is written
-    store_uuid = str(uuid.uuid4())
-    StoreConfig(name=a.store, uuid=store_uuid, page_size=page_size, devices=tuple(a.device),
-                servers=tuple(ServerConfig(n, sync) for n, _, sync in specs))
+    specs = [ServerSpec.parse(s) for s in a.server]
     events = dict(e.partition("=")[::2] for e in (a.events or []))
-    unknown = set(events) - {n for n, _, _ in specs}
-    if unknown:
-        raise ValueError(f"--events names servers that are not in --server: {sorted(unknown)}")
     for n, addr in events.items():
         ServerConfig(n, "", "", addr)  # validate
-    servers = [ServerConfig(n, sync, create_keypair(a.store, n, home), events.get(n, "")) for n, _, sync in specs]
-    cfg = StoreConfig(name=a.store, uuid=store_uuid, page_size=page_size, devices=tuple(a.device),
-                      servers=tuple(servers))
-    if a.spare is not None and not 0 <= a.spare <= MAX_AREAS - len(servers):
-        raise ValueError(f"--spare must be in [0, {MAX_AREAS - len(servers)}] ({MAX_AREAS} areas at most)")
+    if a.spare is not None and not 0 <= a.spare <= MAX_AREAS - len(specs):
+        raise ValueError(f"--spare must be in [0, {MAX_AREAS - len(specs)}] ({MAX_AREAS} areas at most)")
     area_slots = None
     if a.area_size is not None:
         area_slots = parse_size(a.area_size, name="--area-size") // (BLOCK + page_size)
@@ -83,47 +75,70 @@ def cmd_create(a: argparse.Namespace) -> int:
             with open(d, "wb") as f:
                 f.truncate(parse_size(a.device_size, name="--device-size"))
     sizes = [device_size(d) for d in a.device]
-    n_areas = len(servers) + (a.spare or 0)
+    n_areas = len(specs) + (a.spare or 0)
     if area_slots is not None:
         fit = min(areas_that_fit(sz, page_size, area_slots) for sz in sizes)
-        if fit < len(servers):
+        if fit < len(specs):
             raise ValueError(f"--area-size {a.area_size}: the smallest device holds {fit} such area(s), "
-                             f"{len(servers)} server(s) need one each")
+                             f"{len(specs)} server(s) need one each")
         n_areas = fit if a.spare is None else min(fit, n_areas)
-        if n_areas < len(servers) + (a.spare or 0):
+        if n_areas < len(specs) + (a.spare or 0):
             raise ValueError(f"--area-size {a.area_size} with --spare {a.spare}: the smallest device holds "
                              f"only {fit} area(s)")
-    for i, d in enumerate(a.device):
-        sb = format_device(d, store_uuid=cfg.uuid_bytes, store_name=cfg.name, page_size=page_size,
-                           device_index=i, device_count=len(a.device), servers=[s.name for s in servers],
-                           force=a.force, areas=n_areas, area_slots=area_slots)
+    cfg, sbs, made = create_store(home, a.store, a.device, page_size, specs, events=events, force=a.force,
+                                  areas=n_areas, area_slots=area_slots)
+    for d, sb in zip(a.device, sbs):
         per = sb.areas[0].slot_count
         spare = sum(1 for x in sb.areas if x.spare)
         print(f"formatted {d}: {len(sb.areas)} area(s) of {per} slots ({format_size(per * page_size)} each)"
               + (f", {spare} spare for 'allow'" if spare else ""))
-    p = save_store(cfg, home)
-    print(f"created store {cfg.name} ({cfg.uuid}), page size {format_size(page_size)}; config {p}")
-    if len(servers) > 1:
-        print(f"server keys are in {key_path(cfg.name, servers[0].name, home).parent}: copy each server's "
-              ".key file and the config to that server's MASS_HOME")
+    print(f"created store {cfg.name} ({cfg.uuid}), page size {format_size(page_size)}; config "
+          f"{store_path(cfg.name, home)}")
+    print(f"administrator key {fingerprint(bytes.fromhex(cfg.admin_key))}: its private half stays here "
+          f"({admin_key_path(cfg.name, home)}); allow and deny run on this machine")
+    remote = [n for n in made if n != _host_name()] if len(specs) > 1 else []
+    if remote:
+        print(f"keypairs made here for {', '.join(remote)}: copy each {key_path(cfg.name, remote[0], home).parent}"
+              "/NAME.key to that server's MASS_HOME/keys/" + cfg.name + "/ (or let each server make its own with "
+              "'mass-ctl kvcache keygen' and create with NAME=HOST:PORT:PUBLIC)")
+    print(f"servers join with: mass-ctl kvcache connect {cfg.name} --device {a.device[0]}")
     return EXIT_OK
 
 
-def _pick_server(cfg: StoreConfig, name: str | None) -> str:
+def _host_name() -> str:
+    return socket.gethostname().split(".")[0].lower()
+
+
+def _pick_server(cfg: StoreConfig, name: str | None, home: Path | None = None) -> str:
+    """``name`` if allowed; else the allowed server whose public key a key file here holds;
+    else the only server, or the one named after this host."""
     if name:
         cfg.check_allowed(name)
         return name
+    from .crdt.keys import local_keys
+
+    mine = local_keys(cfg.name, home)
+    matching = [s.name for s in cfg.allowed if s.public_key and s.public_key.encode() in mine]
+    if len(matching) == 1:
+        return matching[0]
     if len(cfg.allowed) == 1:
         return cfg.allowed[0].name
-    host = socket.gethostname().split(".")[0].lower()
-    if any(s.name == host for s in cfg.allowed):
+    host = _host_name()
+    if host in matching or (not matching and any(s.name == host for s in cfg.allowed)):
         return host
-    raise NotAllowed(f"store {cfg.name!r} has servers {[s.name for s in cfg.allowed]}: pass --server NAME")
+    if matching:
+        raise NotAllowed(f"keys for several servers of store {cfg.name!r} are here ({', '.join(matching)}): "
+                         "pass --server NAME")
+    raise NotAllowed(f"no key here matches an allowed server of store {cfg.name!r} "
+                     f"({', '.join(s.name for s in cfg.allowed)}): make one with 'mass-ctl kvcache keygen "
+                     f"{cfg.name}' and have the administrator run 'mass-ctl kvcache allow {cfg.name} "
+                     "NAME=HOST:PORT --key PUBLIC', or pass --server NAME")
 
 
 def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> bool:
-    """SIGHUP this machine's services of ``cfg``, wait until each runs with ``generation`` (a denied
-    server's service stops instead) and say which did; returns True if some did not in time."""
+    """SIGHUP this machine's services of ``cfg`` (they re-read the superblocks now instead of at
+    their next poll), wait until each runs with membership ``generation`` (a denied server's
+    service stops instead) and say which did; returns True if some did not in time."""
     from .tui.source import read_service
 
     pids = {s.name: _running(cfg.name, s.name, home) for s in cfg.servers}
@@ -146,112 +161,87 @@ def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float)
     if applied:
         print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
     if pending:
-        _err(f"not yet applied by: {', '.join(sorted(pending))} (they re-read the config every 0.5 s; "
-             "see their logs)")
+        _err(f"not yet applied by: {', '.join(sorted(pending))} (they poll the superblocks every "
+             f"{MEMBERSHIP_POLL_S:g} s; see their logs)")
     return bool(pending)
 
 
-def _set_area_everywhere(cfg: StoreConfig, index: int, server: str, denied: bool) -> int:
-    """Rewrite area ``index`` in every device's superblock; returns device 0's new generation."""
-    from .storage.device import set_area
-
-    gens = [set_area(d, store_uuid=cfg.uuid_bytes, index=index, server=server, denied=denied).generation
-            for d in cfg.devices]
-    return gens[0]
-
-
 def cmd_allow(a: argparse.Namespace) -> int:
-    from .crdt.keys import create_keypair
-    from .storage.device import verify_store
+    from .admin import ServerSpec, allow_server
 
     home = mass_home()
     cfg = load_store(a.store, home)
-    name, _, sync = a.server.partition("=")
-    fresh = ServerConfig(check_name(name, "server"), sync, events=a.events or "", metrics=a.metrics or "")
-    sbs = verify_store(cfg)
-    existing = {s.name: i for i, s in enumerate(cfg.servers)}
-    if name in existing and not cfg.servers[existing[name]].denied:
-        raise NotAllowed(f"server {name!r} is already allowed on store {cfg.name!r}")
-    if a.reuse is not None:
-        # give a denied server's area (and the pages in it) to a new server
-        ri = cfg.server_index(a.reuse)
-        if not cfg.servers[ri].denied:
-            raise NotAllowed(f"--reuse {a.reuse}: that server is not denied (deny it first, and stop it)")
-        if name in existing:
-            raise NotAllowed(f"--reuse: server {name!r} is already on store {cfg.name!r}")
-        pid = _running(cfg.name, a.reuse, home)
-        if pid:
-            raise NotAllowed(f"--reuse {a.reuse}: its service still runs here (pid {pid}); stop it first")
-        index, sv = ri, fresh
-    elif name in existing:
-        index = existing[name]
-        old = cfg.servers[index]
-        sv = dataclasses.replace(old, sync=sync or old.sync, events=a.events or old.events,
-                                 metrics=a.metrics or old.metrics, denied=False)
-    else:
-        index, sv = len(cfg.servers), fresh
-    servers = list(cfg.servers)
-    servers[index:index + 1] = [sv]  # replaces, or appends at the end
-    try:
-        dataclasses.replace(cfg, servers=tuple(servers))  # validates: sync addresses, server count
-    except ValueError as e:
-        if "needs a sync address" in str(e) and sync:
-            raise ValueError(f"{e}: set its sync = \"HOST:PORT\" in {store_path(cfg.name, home)}, restart its "
-                             "service, then allow again") from None
-        raise
-    if index >= len(sbs[0].areas):
-        raise NotAllowed(
-            f"store {cfg.name!r} has no spare area: its {len(sbs[0].areas)} area(s) per device are all "
-            f"assigned. Give it the area of a denied server (--reuse NAME), or recreate the store with "
-            f"--area-size or --spare to leave room for more servers")
-    sv = dataclasses.replace(sv, public_key=create_keypair(cfg.name, name, home))
-    servers[index] = sv
-    new = dataclasses.replace(cfg, servers=tuple(servers))
-    gen = _set_area_everywhere(new, index, name, denied=False)  # devices first: services verify against them
-    save_store(new, home)
-    slots = sum(sb.areas[index].slot_count for sb in sbs)  # allow renames an area, never resizes it
-    print(f"allowed server {name} on store {cfg.name}: area {index}, {slots} slots "
-          f"({format_size(slots * cfg.page_size)}) over {len(cfg.devices)} device(s)")
-    late = _tell_running(new, home, gen, a.timeout)
-    print(f"next: copy {store_path(cfg.name, home)} to every server's MASS_HOME/stores/ and "
-          f"{key_path(cfg.name, name, home)} to {name}'s MASS_HOME/keys/{cfg.name}/, then run "
-          f"'mass-ctl kvcache connect {cfg.name} --server {name}' there")
+    spec = ServerSpec.parse(a.server, a.key or "")
+    new, index, made = allow_server(home, cfg, spec, reuse=a.reuse, events=a.events or "", metrics=a.metrics or "",
+                                    update=a.update)
+    print(f"{'updated' if a.update else 'allowed'} server {spec.name} on store {cfg.name}: area {index} on "
+          f"{len(cfg.devices)} device(s), membership generation {new.membership_gen}")
+    late = _tell_running(new, home, new.membership_gen, a.timeout)
+    if a.update:
+        return EXIT_FAIL if late else EXIT_OK
+    if made:
+        print(f"its keypair was made here: copy {key_path(cfg.name, spec.name, home)} to {spec.name}'s "
+              f"MASS_HOME/keys/{cfg.name}/ (or allow its own key: --key PUBLIC from 'mass-ctl kvcache keygen')")
+    print(f"next, on {spec.name}: mass-ctl kvcache connect {cfg.name} --device PATH (machines already serving "
+          f"the store pick the change up from the devices within {MEMBERSHIP_POLL_S:g} s)")
     return EXIT_FAIL if late else EXIT_OK
 
 
 def cmd_deny(a: argparse.Namespace) -> int:
-    from .storage.device import verify_store
+    from .admin import deny_server
 
     home = mass_home()
     cfg = load_store(a.store, home)
-    index = cfg.server_index(a.server)
-    if cfg.servers[index].denied:
-        raise NotAllowed(f"server {a.server!r} is already denied on store {cfg.name!r}")
-    if len(cfg.allowed) == 1:
-        raise NotAllowed(f"server {a.server!r} is the last allowed server of store {cfg.name!r}: "
-                         "a store needs at least one")
-    verify_store(cfg)
-    servers = list(cfg.servers)
-    servers[index] = dataclasses.replace(servers[index], denied=True, public_key="")
-    new = dataclasses.replace(cfg, servers=tuple(servers))
-    gen = _set_area_everywhere(new, index, a.server, denied=True)
-    save_store(new, home)
-    key = key_path(cfg.name, a.server, home)
-    key.unlink(missing_ok=True)
+    new, index = deny_server(home, cfg, a.server)
     print(f"denied server {a.server} on store {cfg.name}: its key is revoked and its area {index} is no "
-          "longer read")
-    late = _tell_running(new, home, gen, a.timeout)
-    print(f"next: copy {store_path(cfg.name, home)} to every other server's MASS_HOME/stores/")
+          f"longer read (membership generation {new.membership_gen})")
+    late = _tell_running(new, home, new.membership_gen, a.timeout)
+    print(f"every machine serving the store applies it from the devices within {MEMBERSHIP_POLL_S:g} s; "
+          f"its own service stops")
     return EXIT_FAIL if late else EXIT_OK
+
+
+def cmd_keygen(a: argparse.Namespace) -> int:
+    from .crdt.keys import create_keypair, load_keypair
+
+    home = mass_home()
+    check_name(a.store, "store")
+    name = a.server or _host_name()
+    try:
+        check_name(name, "server")
+    except ValueError:
+        raise ValueError(f"this host's name {name!r} is not a valid server name: pass --server NAME") from None
+    p = key_path(a.store, name, home)
+    if p.exists() and not a.force:
+        public = load_keypair(a.store, name, home)[0].decode()
+        print(f"a keypair for server {name} of store {a.store} already exists ({p}); --force replaces it")
+    else:
+        public = create_keypair(a.store, name, home)
+        print(f"made the keypair of server {name} for store {a.store}: {p} (private: it never leaves this machine)")
+    print(f"public key: {public}")
+    print(f"the administrator allows it with: mass-ctl kvcache allow {a.store} {name}=HOST:PORT --key '{public}'")
+    return EXIT_OK
 
 
 def cmd_connect(a: argparse.Namespace) -> int:
     from .logging import configure_logging
     from .service.supervisor import serve
 
-    cfg = load_store(a.store)
-    server = _pick_server(cfg, a.server)
     home = mass_home()
+    check_name(a.store, "store")
+    if a.device:
+        from .admin import join_store
+        from .storage.membership import fingerprint
+
+        local, m, trusted = join_store(home, a.store, a.device, a.admin_key)
+        if trusted:
+            print(f"trusting the administrator key of store {a.store}: {fingerprint(m.admin_key)} (pinned in "
+                  f"{store_path(a.store, home)}; check it against 'mass-ctl kvcache show {a.store}' on the "
+                  "administrator's machine)", flush=True)
+    if a.metrics or a.events:
+        _set_hosted(home, a.store, a.server, a.metrics, a.events)
+    cfg = load_store(a.store, home)
+    server = _pick_server(cfg, a.server, home)
     if _running(cfg.name, server, home):
         raise AlreadyRunning(f"a service of store {cfg.name!r} as server {server!r} already runs here "
                              f"(pid {_running(cfg.name, server, home)})")
@@ -280,6 +270,21 @@ def cmd_connect(a: argparse.Namespace) -> int:
     configure_logging(store=cfg.name, server=server, component="supervisor")
     serve(cfg, server)
     return EXIT_OK
+
+
+def _set_hosted(home: Path, store: str, server: str | None, metrics: str | None, events: str | None) -> None:
+    """Record this host's metrics/events addresses of a server in its own config."""
+    from .config import load_local
+
+    cfg = load_store(store, home)
+    name = _pick_server(cfg, server, home)
+    local = load_local(store, home)
+    h = dict(local.hosted.get(name, {}))
+    if metrics:
+        h["metrics"] = check_address(metrics, "--metrics", 65535)
+    if events:
+        h["events"] = check_address(events, "--events")
+    save_store(dataclasses.replace(local, hosted={**local.hosted, name: h}), home)
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -393,32 +398,55 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
+    from .crdt.keys import local_keys
     from .storage.device import device_size, read_superblock
 
+    from .config import load_local
+
     home = mass_home()
-    cfg = load_store(a.store, home)
+    local = load_local(a.store, home)
+    try:
+        cfg = load_store(a.store, home)
+    except KVStoreError as err:  # the devices do not verify: show what they hold, and why
+        print(f"store {local.name}  uuid {local.uuid}  membership: ERROR: {err}")
+        for i, d in enumerate(local.devices):
+            try:
+                sb = read_superblock(d)
+                mark = "" if sb.store_uuid.hex() == local.uuid.replace("-", "") else \
+                    f"  (belongs to ANOTHER store: {sb.store_name!r})"
+                print(f"  device {i}: {d}  superblock generation {sb.generation}, membership generation "
+                      f"{sb.membership_gen}{mark}")
+            except KVStoreError as e:
+                print(f"  device {i}: {d}  ERROR: {e}")
+        return EXIT_FAIL
     devices = []
     for i, d in enumerate(cfg.devices):
         e: dict[str, Any] = {"index": i, "path": d}
         try:
             sb = read_superblock(d)
             e.update({"size": device_size(d), "belongs": sb.store_uuid == cfg.uuid_bytes,
-                      "generation": sb.generation,
+                      "generation": sb.generation, "membership_generation": sb.membership_gen,
                       "areas": [{"server": x.server or None, "slots": x.slot_count, "denied": x.denied}
                                 for x in sb.areas]})
         except KVStoreError as err:
             e["error"] = str(err)
         devices.append(e)
-    servers = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None, "events": s.events or None, "metrics": s.metrics or None,
-                "key_here": key_path(cfg.name, s.name, home).exists(),
+    mine = local_keys(cfg.name, home)
+    servers = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None,
+                "public_key": s.public_key or None, "events": s.events or None, "metrics": s.metrics or None,
+                "key_here": bool(s.public_key) and s.public_key.encode() in mine,
                 "running_pid": _running(cfg.name, s.name, home) or None} for i, s in enumerate(cfg.servers)]
-    out = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size, "devices": devices, "servers": servers,
+    out = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size, "admin_key": cfg.admin_key,
+           "administered_here": admin_key_path(cfg.name, home).exists(),
+           "membership_generation": cfg.membership_gen, "devices": devices, "servers": servers,
            "namespaces": cfg.namespaces, "quotas": cfg.quotas, "pin_quotas": cfg.pin_quotas,
            "service": dataclasses.asdict(cfg.service), "worker": dataclasses.asdict(cfg.worker)}
     if a.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
-    print(f"store {cfg.name}  uuid {cfg.uuid}  page size {format_size(cfg.page_size)}")
+    print(f"store {cfg.name}  uuid {cfg.uuid}  page size {format_size(cfg.page_size)}  membership generation "
+          f"{cfg.membership_gen}")
+    print(f"  administrator key {cfg.admin_key}" + (" (its private half is here)" if out["administered_here"] else ""))
     for e in devices:
         if "error" in e:
             print(f"  device {e['index']}: {e['path']}  ERROR: {e['error']}")
@@ -426,13 +454,16 @@ def cmd_show(a: argparse.Namespace) -> int:
             areas = ", ".join(f"{x['server'] or '(spare)'}={x['slots']}{' DENIED' if x['denied'] else ''}"
                               for x in e["areas"])
             mark = "" if e["belongs"] else "  (belongs to ANOTHER store)"
-            print(f"  device {e['index']}: {e['path']}  {format_size(e['size'])}, slots per area: {areas}{mark}")
+            lag = "" if e["membership_generation"] == cfg.membership_gen else \
+                f"  (membership generation {e['membership_generation']}: the next allow/deny rewrites it)"
+            print(f"  device {e['index']}: {e['path']}  {format_size(e['size'])}, slots per area: {areas}{mark}{lag}")
     for s in servers:
         extra = "".join(f", {k} {s[k]}" for k in ("sync", "events", "metrics") if s[k])
         state = f"running (pid {s['running_pid']})" if s["running_pid"] else "not running"
         if s["denied"]:
             state = "DENIED, " + state
-        print(f"  server {s['name']}: {state}{extra}{'' if s['key_here'] else ', no key file on this machine'}")
+        key = f", key {s['public_key']}" if s["public_key"] else ""
+        print(f"  server {s['name']}: {state}{extra}{key}{', its private key is here' if s['key_here'] else ''}")
     for t, ns in cfg.namespaces.items():
         print(f"  tenant {t} shares namespace {ns}")
     return EXIT_OK
@@ -490,8 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", action="append", required=True, metavar="PATH",
                    help="block device or file (repeat for several); order is the device index")
     c.add_argument("--page-size", required=True, metavar="SIZE", help="bytes per page, multiple of 4KiB (e.g. 256KiB)")
-    c.add_argument("--server", action="append", required=True, metavar="NAME[=HOST:PORT]",
-                   help="allowed server and its sync address (repeat); one area per server per device")
+    c.add_argument("--server", action="append", required=True, metavar="NAME[=HOST:PORT[:PUBLIC]]",
+                   help="allowed server, its sync address and the public key it made with 'keygen' (repeat; "
+                        "without a key, its keypair is made here); one area per server per device")
     c.add_argument("--events", action="append", metavar="NAME=HOST:PORT",
                    help="publish vLLM-format KV events of server NAME on PORT (replay on PORT+1); repeatable")
     c.add_argument("--device-size", metavar="SIZE", help="create missing device paths as sparse files of SIZE")
@@ -505,15 +537,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split each device into one area per server plus N spare areas for 'allow'")
     c.set_defaults(fn=cmd_create)
 
-    c = ks.add_parser("allow", help="allow a server on a store: give it a spare area and a keypair",
-                      description="Assign SERVER a spare area (or give a denied SERVER its area back), create its "
-                                  "CurveZMQ keypair, record it on every device's superblock and in the store "
-                                  "config, and tell this machine's running services (they re-read the config). "
-                                  "Exit 4 when the store has no spare area or SERVER is already allowed.")
+    c = ks.add_parser("allow", help="allow a server on a store: give it a spare area and admit its key",
+                      description="Assign SERVER a spare area (or give a denied SERVER its area back) with its sync "
+                                  "address and public key, signed on every device's superblock. Every machine's "
+                                  "running services pick it up from the devices (this machine's at once). Runs "
+                                  "where the store was created (it holds the administrator key). Exit 4 when the "
+                                  "store has no spare area or SERVER is already allowed.")
     c.add_argument("store")
-    c.add_argument("server", metavar="NAME[=HOST:PORT]", help="server name and its sync address")
+    c.add_argument("server", metavar="NAME[=HOST:PORT[:PUBLIC]]", help="server name, sync address, public key")
+    c.add_argument("--key", metavar="PUBLIC",
+                   help="the server's public key, as 'mass-ctl kvcache keygen' printed it there (default: make "
+                        "a keypair here, to be copied to the server)")
     c.add_argument("--events", metavar="HOST:PORT", help="where its service publishes vLLM-format KV events")
     c.add_argument("--metrics", metavar="HOST:PORT", help="its Prometheus endpoint")
+    c.add_argument("--update", action="store_true",
+                   help="change an allowed server's sync address or key (its service picks it up)")
     c.add_argument("--reuse", metavar="DENIED",
                    help="give NAME the area of the denied server DENIED (and the pages in it) instead of a "
                         "spare area; DENIED must be stopped on every machine first, since two writers of one "
@@ -523,10 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_allow)
 
     c = ks.add_parser("deny", help="cut a server off a store: revoke its key, stop reading its area",
-                      description="Mark SERVER denied on every device's superblock and in the store config and "
-                                  "delete its key here. Running services drop its pages from their index, stop "
-                                  "accepting its connections, and its own service stops. Its area keeps its "
-                                  "index; 'allow' gives it back. Exit 4 for the last allowed server.")
+                      description="Mark SERVER denied and drop its public key on every device's superblock "
+                                  "(signed), and delete its key file here. Every machine's running services drop "
+                                  "its pages from their index and stop accepting its connections; its own "
+                                  "service stops. Its area keeps its index; 'allow' gives it back. Exit 4 for "
+                                  "the last allowed server.")
     c.add_argument("store")
     c.add_argument("server", metavar="NAME")
     c.add_argument("--timeout", type=float, default=10.0,
@@ -534,12 +573,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_deny)
 
     c = ks.add_parser("connect", help="run this server's cache service in the foreground",
-                      description="Start the cache service of STORE as this server; Ctrl-C or SIGTERM stops it cleanly.")
+                      description="Start the cache service of STORE as this server; Ctrl-C or SIGTERM stops it "
+                                  "cleanly. On a machine new to the store, --device PATH is all it needs: the "
+                                  "store, its other devices and its membership are read from the devices, and "
+                                  "this machine's config is written.")
     c.add_argument("store")
-    c.add_argument("--server", metavar="NAME", help="server name (default: the only server, or the host name)")
+    c.add_argument("--device", action="append", metavar="PATH",
+                   help="a device of the store (its other devices are found beside it: other block devices, "
+                        "or files in the same directory; repeat to name them)")
+    c.add_argument("--admin-key", metavar="HEX",
+                   help="the administrator key to trust (default: trust the one the devices name, on first "
+                        "use, and print it)")
+    c.add_argument("--server", metavar="NAME",
+                   help="server name (default: the allowed server whose public key a key file here holds)")
+    c.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here (saved in this "
+                   "machine's config)")
+    c.add_argument("--events", metavar="HOST:PORT", help="publish vLLM-format KV events here (saved in this "
+                   "machine's config)")
     c.add_argument("--daemon", action="store_true",
                    help="run in the background (log and pid file in MASS_HOME/run/STORE/); stop with disconnect")
     c.set_defaults(fn=cmd_connect)
+
+    c = ks.add_parser("keygen", help="make this server's keypair for a store and print its public key",
+                      description="Make the CurveZMQ keypair this machine uses as SERVER of STORE; the private key "
+                                  "stays here, the printed public key goes to the administrator's 'allow'.")
+    c.add_argument("store")
+    c.add_argument("--server", metavar="NAME", help="server name (default: this host's name)")
+    c.add_argument("--force", action="store_true", help="replace an existing keypair")
+    c.set_defaults(fn=cmd_keygen)
 
     c = ks.add_parser("status", help="show a store and its services' statistics")
     c.add_argument("store")

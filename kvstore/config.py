@@ -1,12 +1,18 @@
 """Store configuration: one frozen dataclass per subsystem, read once, passed down as plain values.
 
-Where things live (``MASS_HOME``, default ``~/.mass``)::
+Where things live (``MASS_HOME``, default ``~/.mass``), all of it this machine's own::
 
-    $MASS_HOME/stores/<store>.toml     the store config (written by ``mass-ctl kvcache create``)
+    $MASS_HOME/stores/<store>.toml     per-host settings: device paths, the pinned administrator key,
+                                       metrics/events addresses, worker tuning, tenants' credentials
+    $MASS_HOME/stores/<store>.seen     highest membership generation this machine has seen
+    $MASS_HOME/keys/<store>/<n>.key    a server's CurveZMQ keypair (private: never leaves the machine)
+    $MASS_HOME/keys/<store>/admin.sign the administrator's signing key (only where allow/deny run)
     $MASS_HOME/run/<store>/            runtime state: <server>.sock, <server>.lock, <server>.pid
 
-The superblock on each device is the authority on layout (page size, areas);
-the TOML file names the devices and servers and holds the tunables below.
+The superblocks on the devices are the authority on the store itself: layout
+(page size, areas), salt and membership (each area's server, sync address,
+public key, allowed or denied), signed by the administrator's key
+(storage/membership.py). ``load_store`` composes the two into a ``StoreConfig``.
 This module is the only place that reads environment variables.
 """
 
@@ -20,11 +26,14 @@ import sys
 import uuid as uuidlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomli_w
 
 from .errors import StoreNotFound
+
+if TYPE_CHECKING:
+    from .storage.membership import Membership
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -209,8 +218,14 @@ class StoreConfig:
     """Device paths in device-index order (block devices or plain files)."""
     servers: tuple[ServerConfig, ...]
     """Servers in area-index order (server i owns area i on every device), denied ones included."""
-    salt: str = field(default_factory=lambda: secrets.token_hex(16))
-    """Hex salt mixed into every key digest (BLAKE2b key), so digests are not guessable."""
+    salt: str = field(default_factory=lambda: secrets.token_hex(32))
+    """Hex salt mixed into every key digest (BLAKE2b key), so digests are not guessable
+    (kept in the superblocks: every server of the store uses the same)."""
+    admin_key: str = ""
+    """Hex Ed25519 public key of the store's administrator: superblocks not signed by it
+    are refused. Pinned in this machine's config at create or first connect."""
+    membership_gen: int = 0
+    """The devices' membership generation this config was composed from."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -362,17 +377,58 @@ class StoreConfig:
                              f"(allow it again with 'mass-ctl kvcache allow {self.name} {name}')")
         return i
 
+    def local(self) -> LocalConfig:
+        """The part of this config that belongs to this machine (what ``save_store`` writes)."""
+        hosted = {sv.name: {k: v for k, v in (("events", sv.events), ("metrics", sv.metrics)) if v}
+                  for sv in self.servers}
+        return LocalConfig(name=self.name, uuid=self.uuid, devices=self.devices, admin_key=self.admin_key,
+                           hosted={n: h for n, h in hosted.items() if h}, worker=self.worker, service=self.service,
+                           sync=self.sync, namespaces=dict(self.namespaces), quotas=dict(self.quotas),
+                           pin_quotas=dict(self.pin_quotas), tenants={t: list(p) for t, p in self.tenants.items()})
+
     def to_toml(self) -> str:
-        """Serialize to the TOML text stored under MASS_HOME."""
+        """Serialize this machine's part to the TOML text stored under MASS_HOME."""
+        return self.local().to_toml()
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """What one machine keeps about a store: where its devices are, which administrator key it
+    trusts, and its own settings. Everything else is read from the devices."""
+
+    name: str
+    uuid: str
+    devices: tuple[str, ...]
+    admin_key: str = ""
+    hosted: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Server name -> its per-host addresses here (``events``, ``metrics``)."""
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    namespaces: dict[str, str] = field(default_factory=dict)
+    quotas: dict[str, int] = field(default_factory=dict)
+    pin_quotas: dict[str, int] = field(default_factory=dict)
+    tenants: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "store")
+        uuidlib.UUID(self.uuid)
+        if not self.devices:
+            raise ValueError("a store needs at least one device (--device PATH)")
+        if self.admin_key and len(bytes.fromhex(self.admin_key)) != 32:
+            raise ValueError("admin_key must be 64 hex characters")
+        for n, h in self.hosted.items():
+            check_name(n, "server")
+            unknown = set(h) - {"events", "metrics"}
+            if unknown:
+                raise ValueError(f"[servers.{n}]: unknown setting(s) {sorted(unknown)} (events, metrics)")
+
+    def to_toml(self) -> str:
+        """The TOML text stored under MASS_HOME."""
         doc: dict[str, Any] = {
-            "store": {
-                "name": self.name,
-                "uuid": self.uuid,
-                "page_size": self.page_size,
-                "devices": list(self.devices),
-                "salt": self.salt,
-            },
-            "servers": [asdict(s) for s in self.servers],
+            "store": {"name": self.name, "uuid": self.uuid, "devices": list(self.devices),
+                      "admin_key": self.admin_key},
+            "servers": {n: dict(h) for n, h in self.hosted.items()},
             "worker": asdict(self.worker),
             "service": asdict(self.service),
             "sync": asdict(self.sync),
@@ -384,18 +440,17 @@ class StoreConfig:
         return tomli_w.dumps(doc)
 
     @classmethod
-    def from_toml(cls, text: str) -> StoreConfig:
+    def from_toml(cls, text: str) -> LocalConfig:
         """Parse a store config; raises ``ValueError`` on a malformed file."""
         try:
             doc = tomllib.loads(text)
             st = doc["store"]
+            if isinstance(doc.get("servers"), list) or "page_size" in st:
+                raise ValueError("this store config is of the format before membership moved to the devices "
+                                 "(it lists [[servers]]); re-create the store with this version's mass-ctl")
             return cls(
-                name=st["name"],
-                uuid=st["uuid"],
-                page_size=int(st["page_size"]),
-                devices=tuple(st["devices"]),
-                salt=st["salt"],
-                servers=tuple(ServerConfig(**s) for s in doc["servers"]),
+                name=st["name"], uuid=st["uuid"], devices=tuple(st["devices"]), admin_key=st.get("admin_key", ""),
+                hosted={n: dict(h) for n, h in doc.get("servers", {}).items()},
                 worker=WorkerConfig(**doc.get("worker", {})),
                 service=ServiceConfig(**doc.get("service", {})),
                 sync=SyncConfig(**doc.get("sync", {})),
@@ -404,8 +459,21 @@ class StoreConfig:
                 pin_quotas=dict(doc.get("pin_quotas", {})),
                 tenants={t: list(p) for t, p in doc.get("tenants", {}).items()},
             )
-        except (KeyError, TypeError, tomllib.TOMLDecodeError) as e:
+        except (KeyError, TypeError, AttributeError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"malformed store config: {e}") from None
+
+    def compose(self, page_size: int, salt: bytes, members: list[tuple[str, str, str, bool]],
+                membership_gen: int) -> StoreConfig:
+        """The full config: this machine's part plus the devices' (``members``: name, sync,
+        Z85 public key, denied, in area order)."""
+        servers = tuple(ServerConfig(n, sync, pub, self.hosted.get(n, {}).get("events", ""),
+                                     self.hosted.get(n, {}).get("metrics", ""), denied)
+                        for n, sync, pub, denied in members)
+        return StoreConfig(name=self.name, uuid=self.uuid, page_size=page_size, devices=self.devices,
+                           servers=servers, salt=salt.hex(), admin_key=self.admin_key,
+                           membership_gen=membership_gen, worker=self.worker, service=self.service,
+                           sync=self.sync, namespaces=dict(self.namespaces), quotas=dict(self.quotas),
+                           pin_quotas=dict(self.pin_quotas), tenants={t: list(p) for t, p in self.tenants.items()})
 
 
 def _principal_ids(p: object) -> tuple[str, int]:
@@ -440,31 +508,94 @@ def key_path(store: str, server: str, home: Path | None = None) -> Path:
     return (home or mass_home()) / "keys" / check_name(store, "store") / f"{check_name(server, 'server')}.key"
 
 
+def admin_key_path(store: str, home: Path | None = None) -> Path:
+    """File holding the administrator's signing key of ``store`` (owner-only; only on the
+    machines where ``create``, ``allow`` and ``deny`` run)."""
+    return (home or mass_home()) / "keys" / check_name(store, "store") / "admin.sign"
+
+
 def run_dir(name: str, home: Path | None = None) -> Path:
     """Directory holding store ``name``'s sockets, locks and pid files (owner-only)."""
     return (home or mass_home()) / "run" / check_name(name, "store")
 
 
-def load_store(name: str, home: Path | None = None) -> StoreConfig:
-    """Load store ``name`` from MASS_HOME; raises ``StoreNotFound`` if it has no config."""
+def load_local(name: str, home: Path | None = None) -> LocalConfig:
+    """This machine's part of store ``name``; raises ``StoreNotFound`` if it has none."""
     p = store_path(name, home)
     try:
         text = p.read_text()
     except FileNotFoundError:
         raise StoreNotFound(
-            f"store {name!r} not found: no {p} (create it with 'mass-ctl kvcache create', "
-            "or set MASS_HOME)"
+            f"store {name!r} not found: no {p} (create it with 'mass-ctl kvcache create', join it with "
+            f"'mass-ctl kvcache connect {name} --device PATH', or set MASS_HOME)"
         ) from None
-    return StoreConfig.from_toml(text)
+    return LocalConfig.from_toml(text)
 
 
-def save_store(cfg: StoreConfig, home: Path | None = None) -> Path:
-    """Write ``cfg`` atomically (owner-only) under MASS_HOME and return its path."""
-    p = store_path(cfg.name, home)
+def load_store(name: str, home: Path | None = None) -> StoreConfig:
+    """Store ``name``: this machine's config composed with the membership on its devices
+    (verified against the pinned administrator key; a replayed older membership is refused).
+
+    Raises:
+        StoreNotFound: no config for it here.
+        DeviceMismatch: the devices cannot be read or do not verify (see storage/membership.py).
+    """
+    local = load_local(name, home)
+    return compose_store(local, home)
+
+
+def compose_store(local: LocalConfig, home: Path | None = None) -> StoreConfig:
+    """``local`` composed with its devices' membership (see ``load_store``)."""
+    return compose_membership(local, home)[0]
+
+
+def compose_membership(local: LocalConfig, home: Path | None = None) -> tuple[StoreConfig, Membership]:
+    """``compose_store``, and the membership as read (each device's superblock)."""
+    from .storage.membership import read_membership
+
+    m = read_membership(local.devices, store_uuid=uuidlib.UUID(local.uuid).bytes,
+                        admin_key=bytes.fromhex(local.admin_key) if local.admin_key else None,
+                        min_gen=seen_membership(local.name, local.uuid, home))
+    note_membership(local.name, local.uuid, m.gen, home)
+    import zmq.utils.z85
+
+    members = [(x.name, x.sync, zmq.utils.z85.encode(x.public_key).decode() if x.public_key else "", x.denied)
+               for x in m.members]
+    return local.compose(m.newest.page_size, m.newest.salt, members, m.gen), m
+
+
+def seen_membership(name: str, uuid: str, home: Path | None = None) -> int:
+    """The highest membership generation this machine has seen of store ``name`` with this
+    ``uuid`` (0: none; a store re-created under the same name starts again)."""
+    try:
+        seen_uuid, gen = (store_path(name, home).with_suffix(".seen")).read_text().split()
+        return int(gen) if seen_uuid == uuid else 0
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def note_membership(name: str, uuid: str, gen: int, home: Path | None = None) -> None:
+    """Remember ``gen`` if it is the highest seen (best effort: a reader without write access
+    to MASS_HOME, such as a dashboard of another user, just does not record it)."""
+    if gen <= seen_membership(name, uuid, home):
+        return
+    p = store_path(name, home).with_suffix(".seen")
+    try:
+        tmp = p.with_suffix(f".seen.{os.getpid()}")
+        tmp.write_text(f"{uuid} {gen}\n")
+        os.replace(tmp, p)
+    except OSError:
+        pass
+
+
+def save_store(cfg: StoreConfig | LocalConfig, home: Path | None = None) -> Path:
+    """Write this machine's part of ``cfg`` atomically (owner-only) under MASS_HOME; return its path."""
+    local = cfg.local() if isinstance(cfg, StoreConfig) else cfg
+    p = store_path(local.name, home)
     p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = p.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(cfg.to_toml())
+        f.write(local.to_toml())
     os.replace(tmp, p)
     return p

@@ -12,15 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import ServerConfig, ServiceConfig, StoreConfig, SyncConfig, WorkerConfig, run_dir, save_store
+from .config import ServiceConfig, StoreConfig, SyncConfig, WorkerConfig, run_dir
 from .errors import KVStoreError
 from .shm.segment import leftovers, name_prefix
-from .storage.device import format_device
 
 
 def free_port_pair() -> int:
@@ -57,26 +55,18 @@ def make_store(home: Path, name: str, devices: list[str], page_size: int, server
                *, service: ServiceConfig | None = None, worker: WorkerConfig | None = None,
                sync: SyncConfig | None = None, events: dict[str, str] | None = None,
                metrics: dict[str, str] | None = None, force: bool = False, spare: int = 0) -> StoreConfig:
-    """Create a store config under ``home``, a keypair per server, and format its devices
-    (one area per server plus ``spare`` spare areas, all equal).
+    """Create a store under ``home`` as ``mass-ctl kvcache create`` does (administrator key,
+    a keypair per server, devices formatted with one area per server plus ``spare`` spare
+    areas, all equal, this machine's config).
 
     ``servers`` are ``NAME`` or ``NAME=HOST:PORT`` (several servers need sync addresses);
     ``events`` maps a server name to its KV events ``HOST:PORT``.
     """
-    from .crdt.keys import create_keypair
+    from .admin import ServerSpec, create_store
 
-    specs = [s.partition("=") for s in (servers or ["local"])]
-    cfg = StoreConfig(name=name, uuid=str(uuid.uuid4()), page_size=page_size, devices=tuple(devices),
-                      servers=tuple(ServerConfig(n, sync, create_keypair(name, n, home), (events or {}).get(n, ""),
-                                                 (metrics or {}).get(n, ""))
-                                    for n, _, sync in specs),
-                      service=service or ServiceConfig(), worker=worker or WorkerConfig(),
-                      sync=sync or SyncConfig())
-    names = [n for n, _, _ in specs]
-    for i, d in enumerate(devices):
-        format_device(d, store_uuid=cfg.uuid_bytes, store_name=name, page_size=page_size, device_index=i,
-                      device_count=len(devices), servers=names, force=force, areas=len(names) + spare)
-    save_store(cfg, home)
+    specs = [ServerSpec.parse(s) for s in (servers or ["local"])]
+    cfg, _, _ = create_store(home, name, devices, page_size, specs, events=events, metrics=metrics,
+                             service=service, worker=worker, sync=sync, force=force, areas=len(specs) + spare)
     return cfg
 
 
@@ -87,8 +77,9 @@ class ServiceProcess:
     """
 
     def __init__(self, home: Path, store: str, server: str = "local", *, log: Path | None = None,
-                 start_timeout: float = 60.0, netns: str | None = None) -> None:
+                 start_timeout: float = 60.0, netns: str | None = None, args: Sequence[str] = ()) -> None:
         self.netns = netns
+        self.args = list(args)
         self.home = Path(home)
         self.store = store
         self.server = server
@@ -110,7 +101,7 @@ class ServiceProcess:
         """Start and wait until the service listens (raises ``KVStoreError`` with the log on failure)."""
         env = dict(os.environ, MASS_HOME=str(self.home), PYTHONUNBUFFERED="1")
         self._logf = open(self.log, "ab")
-        cmd = [sys.executable, "-m", "kvstore.cli", "kvcache", "connect", self.store, "--server", self.server]
+        cmd = [sys.executable, "-m", "kvstore.cli", "kvcache", "connect", self.store, "--server", self.server, *self.args]
         if self.netns:  # `ip netns exec` execs the command: the pid stays the service's
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(

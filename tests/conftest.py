@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -106,8 +107,8 @@ def services() -> Iterator[Callable[..., ServiceProcess]]:
     """Start services; each is stopped at the end and must leave no process or shm behind."""
     started: list[tuple[ServiceProcess, list[int]]] = []
 
-    def start(home: Path, store: str, server: str = "local") -> ServiceProcess:
-        s = ServiceProcess(home, store, server).start()
+    def start(home: Path, store: str, server: str = "local", **kw: Any) -> ServiceProcess:
+        s = ServiceProcess(home, store, server, **kw).start()
         started.append((s, s.children()))
         return s
 

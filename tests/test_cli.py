@@ -176,7 +176,8 @@ def test_allow_and_deny_without_running_services(env_home: Path, capsys: pytest.
                  "--page-size", "64KiB", "--server", "x=127.0.0.1:7000", "--spare", "1"]) == 0
     assert main(["kvcache", "allow", "s", "y=127.0.0.1:7002", "--metrics", "127.0.0.1:9100"]) == 0
     out = capsys.readouterr().out
-    assert "allowed server y on store s: area 1" in out and "mass-ctl kvcache connect s --server y" in out
+    assert "allowed server y on store s: area 1" in out and "next, on y: mass-ctl kvcache connect s --device" in out
+    assert "its keypair was made here" in out  # no --key: the administrator's machine made it
     assert main(["kvcache", "deny", "s", "x"]) == 0
     assert "denied server x" in capsys.readouterr().out
     lst = json.loads(run(env_home, "kvcache", "list", "--json").stdout)
@@ -186,12 +187,18 @@ def test_allow_and_deny_without_running_services(env_home: Path, capsys: pytest.
     # the single allowed server is picked by connect; the denied one is refused
     r = run(env_home, "kvcache", "connect", "s", "--server", "x")
     assert r.returncode == 4 and "was denied" in r.stderr
-    # a config out of step with the devices is refused, not applied
-    cfg = load_store("s")
-    save_store(dataclasses.replace(cfg, servers=tuple(dataclasses.replace(s, denied=False, public_key="k" * 40)
-                                                      if s.name == "x" else s for s in cfg.servers)))
+    # only where the administrator key is: another machine's allow is refused, and changes nothing
+    sign = env_home / "keys" / "s" / "admin.sign"
+    sign.rename(sign.with_suffix(".away"))
     assert main(["kvcache", "allow", "s", "z=127.0.0.1:7004"]) == 4
-    assert "marks ['x'] denied" in capsys.readouterr().err
+    assert "no administrator key" in capsys.readouterr().err
+    # a key that is not the one the store trusts is refused too
+    from kvstore.storage.membership import AdminKey
+
+    AdminKey.generate().save(sign)
+    assert main(["kvcache", "allow", "s", "x"]) == 4
+    assert "is not the one store 's' trusts" in capsys.readouterr().err
+    assert [(s.name, s.denied) for s in load_store("s").servers] == [("x", True), ("y", False)]
 
 
 def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -> None:
@@ -202,8 +209,8 @@ def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -
     r = run(env_home, "kvcache", "connect", "s1")
     assert r.returncode == 4 and "belongs to store 's2'" in r.stderr
     assert not (env_home / "run" / "s1" / "local.pid").exists()
-    r = run(env_home, "kvcache", "connect", "s1", "--daemon")
-    assert r.returncode == 4 and "exited with code 4" in r.stderr
+    r = run(env_home, "kvcache", "connect", "s1", "--daemon")  # refused before anything is started
+    assert r.returncode == 4 and "belongs to store 's2'" in r.stderr
     # a device that went missing
     assert create(env_home, "s3") == 0
     os.unlink(env_home / "s3.img")
@@ -214,7 +221,7 @@ def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -
         r = run(env_home, "kvcache", *sub)
         assert r.returncode == 3 and "store 'nope' not found" in r.stderr, sub
     # every subcommand explains itself
-    for sub in ("create", "connect", "allow", "deny", "status", "dashboard", "list", "show", "disconnect",
+    for sub in ("create", "connect", "allow", "deny", "keygen", "status", "dashboard", "list", "show", "disconnect",
                 "quickstart"):
         r = run(env_home, "kvcache", sub, "--help")
         assert r.returncode == 0 and "usage: mass-ctl kvcache " + sub in r.stdout, sub
@@ -227,5 +234,10 @@ def test_allow_into_a_single_server_store_needs_its_sync_address(env_home: Path,
     capsys.readouterr()
     assert main(["kvcache", "allow", "one", "y=127.0.0.1:7002"]) == 2
     err = capsys.readouterr().err
-    assert "server x needs a sync address" in err and "set its sync" in err
+    assert "server x needs a sync address" in err and "allow one x=HOST:PORT --update" in err
     assert [s.name for s in load_store("one").servers] == ["x"]
+    assert main(["kvcache", "allow", "one", "x=127.0.0.1:7000"]) == 4
+    assert "--update changes its sync address" in capsys.readouterr().err
+    assert main(["kvcache", "allow", "one", "x=127.0.0.1:7000", "--update"]) == 0
+    assert main(["kvcache", "allow", "one", "y=127.0.0.1:7002"]) == 0
+    assert [(s.name, s.sync) for s in load_store("one").servers] == [("x", "127.0.0.1:7000"), ("y", "127.0.0.1:7002")]

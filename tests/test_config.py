@@ -7,13 +7,15 @@ import uuid
 
 import pytest
 
-from kvstore.config import ServerConfig, ServiceConfig, StoreConfig
+from kvstore.config import LocalConfig, ServerConfig, ServiceConfig, StoreConfig
 from kvstore.errors import NotAllowed
 
 
 def cfg(**kw: object) -> StoreConfig:
+    base: dict[str, object] = dict(servers=(ServerConfig("a"),))
+    base.update(kw)
     return StoreConfig(name="s", uuid=str(uuid.uuid4()), page_size=4096, devices=("/dev/null",),
-                       servers=(ServerConfig("a"),), **kw)  # type: ignore[arg-type]
+                       **base)  # type: ignore[arg-type]
 
 
 def test_unmapped_caller_gets_the_default_tenant_only() -> None:
@@ -50,7 +52,24 @@ def test_bad_principals_are_refused(bad: object) -> None:
         cfg(tenants={"alpha": bad})
 
 
-def test_tenants_round_trip_through_toml() -> None:
-    c = cfg(tenants={"alpha": ["uid:1000", "gid:5"]}, service=ServiceConfig(trust_declared_tenant=True))
-    back = StoreConfig.from_toml(c.to_toml())
+def test_local_part_round_trips_through_toml_and_membership_stays_out() -> None:
+    c = cfg(tenants={"alpha": ["uid:1000", "gid:5"]}, service=ServiceConfig(trust_declared_tenant=True),
+            servers=(ServerConfig("a", "127.0.0.1:7000", "k" * 40, metrics="127.0.0.1:9100"),
+                     ServerConfig("b", "127.0.0.1:7002", "j" * 40)))
+    text = c.to_toml()
+    back = LocalConfig.from_toml(text)
     assert back.tenants == c.tenants and back.service.trust_declared_tenant
+    assert back.hosted == {"a": {"metrics": "127.0.0.1:9100"}}  # this host's addresses only
+    assert "k" * 40 not in text and "127.0.0.1:7000" not in text and c.salt not in text  # on the devices
+    again = back.compose(c.page_size, bytes.fromhex(c.salt), [("a", "127.0.0.1:7000", "k" * 40, False),
+                                                              ("b", "127.0.0.1:7002", "j" * 40, False)], 3)
+    assert dataclasses.replace(again, membership_gen=0) == c
+
+
+def test_config_of_the_old_format_is_refused_with_what_to_do() -> None:
+    old = '[store]\nname = "s"\nuuid = "%s"\npage_size = 4096\ndevices = ["/dev/null"]\nsalt = "00"\n' \
+          '[[servers]]\nname = "a"\n' % uuid.uuid4()
+    with pytest.raises(ValueError, match="before membership moved to the devices"):
+        LocalConfig.from_toml(old)
+    with pytest.raises(ValueError, match=r"\[servers.a\]: unknown setting"):
+        LocalConfig.from_toml(cfg().to_toml() + '\n[servers.a]\nsync = "127.0.0.1:1"\n')

@@ -1,9 +1,11 @@
 """CurveZMQ keypairs: one per server and store, kept owner-only under MASS_HOME.
 
 ``$MASS_HOME/keys/<store>/<server>.key`` holds two lines, the Z85 public and
-secret keys. The public key also goes into the store config, which is what
-every peer checks connections against. An administrator who creates a store
-on one machine copies each server's key file to that server's MASS_HOME.
+secret keys. The public key also goes into the superblocks' membership, which
+is what every peer checks connections against. A GPU server makes its own
+keypair (``mass-ctl kvcache keygen``) and only the public key travels, to the
+administrator's ``allow``; sites that prefer can let ``create``/``allow`` make
+it and copy the file themselves.
 """
 
 from __future__ import annotations
@@ -38,10 +40,48 @@ def load_keypair(store: str, server: str, home: Path | None = None) -> tuple[byt
     """
     p = key_path(store, server, home)
     try:
-        lines = p.read_text().split()
+        return _read(p)
     except FileNotFoundError:
-        raise NotAllowed(f"no key for server {server!r} of store {store!r} at {p}: copy it from the machine "
-                         "where the store was created (mass-ctl kvcache create writes one per server)") from None
+        raise NotAllowed(f"no key for server {server!r} of store {store!r} at {p}: make one there with "
+                         f"'mass-ctl kvcache keygen {store} --server {server}' and have the administrator "
+                         "allow its public key") from None
+
+
+def _read(p: Path) -> tuple[bytes, bytes]:
+    lines = p.read_text().split()
     if len(lines) != 2 or len(lines[0]) != 40 or len(lines[1]) != 40:
         raise NotAllowed(f"key file {p} is malformed")
-    return lines[0].encode(), lines[1].encode()
+    public, secret = lines[0].encode(), lines[1].encode()
+    try:
+        derived = zmq.curve_public(secret)
+    except (zmq.ZMQError, ValueError):
+        raise NotAllowed(f"key file {p} is malformed") from None
+    if derived != public:
+        raise NotAllowed(f"key file {p}: its public key does not belong to its secret key")
+    return public, secret
+
+
+def local_keys(store: str, home: Path | None = None) -> dict[bytes, Path]:
+    """Z85 public key -> key file, for every well-formed keypair of ``store`` on this machine."""
+    d = key_path(store, "x", home).parent
+    out: dict[bytes, Path] = {}
+    for p in sorted(d.glob("*.key")) if d.is_dir() else []:
+        try:
+            out[_read(p)[0]] = p
+        except (NotAllowed, OSError):
+            continue
+    return out
+
+
+def keypair_for(store: str, public: bytes, home: Path | None = None) -> tuple[bytes, bytes]:
+    """The local keypair whose public key is ``public`` (Z85).
+
+    Raises:
+        NotAllowed: no key file here holds it.
+    """
+    p = local_keys(store, home).get(public)
+    if p is None:
+        raise NotAllowed(f"no key file under {key_path(store, 'x', home).parent} holds the public key "
+                         f"{public.decode()} that the store's membership gives this server: run on the machine "
+                         "that made it, or have the administrator allow this machine's key")
+    return _read(p)

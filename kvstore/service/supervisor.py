@@ -40,13 +40,13 @@ import numpy as np
 import posix_ipc
 import structlog
 
-from ..config import StoreConfig, load_store, mass_home, run_dir, store_path
+from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AlreadyRunning, KVStoreError
 from ..logging import recent_warnings
 from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_IO_ERROR, ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
 from ..crdt.agent import AgentParams, Peer, agent_main
-from ..crdt.keys import load_keypair
+from ..crdt.keys import keypair_for, load_keypair
 from ..crdt.log import SyncRings
 from ..ioworkers.worker import WorkerParams, worker_main
 from ..shm import arena as A
@@ -56,18 +56,18 @@ from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftov
                            unlink_semaphore, wait_semaphore)
 from ..shm.slots import EMPTY, RETIRED, SLOT_DTYPE, VALID, SlotMap, entry_words, slot_table
 from ..shm.stats import D, StatsBlock, stats_nbytes
-from ..storage.device import verify_store
+from ..storage.membership import Membership, read_membership
 from ..storage.header import HEADER_BLOCK
 from . import protocol as P
 from .allocator import Allocator, Generations
 from .connections import Conn, Handshakes, PeerCred, Request, answer, give_back, take
+from .membership import MembershipWatcher, RefusedCopies
 from .rebuild import scan_devices
 from .sync import SyncLink, new_epoch
 
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.02
-CONFIG_POLL_S = 0.5  # how often the store config file is checked for allow/deny
 
 
 def salted_words(keys: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any]:
@@ -154,9 +154,7 @@ class Supervisor:
         self.metrics: Any = None
         self.hints: list[int] = []
         self.log = log.bind(store=cfg.name, server=server)
-        self.cfg_path = store_path(cfg.name, self.home)
-        self._cfg_stat: tuple[int, int, int] | None = None
-        self._reload = False
+        self.watcher: MembershipWatcher | None = None
         self.resnapshot: set[int] = set()
         # who may use this service: its own user, plus a group when configured
         self.group: int | None = None
@@ -206,8 +204,14 @@ class Supervisor:
             stale = remove_leftovers(self.prefix)
             if stale:
                 self.log.warning("removed leftovers of a crashed service", count=len(stale))
-            self._cfg_stat = self._config_stat()
-            self.sbs = verify_store(cfg)
+            m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes,
+                                admin_key=bytes.fromhex(cfg.admin_key) if cfg.admin_key else None,
+                                min_gen=cfg.membership_gen)
+            if m.gen != cfg.membership_gen:
+                raise KVStoreError("the store's membership changed while the service started: start it again")
+            for why in m.refused:
+                self.log.warning("superblock copy refused", reason=why)
+            self.sbs = m.sbs
             self.smap = SlotMap([[a.slot_count for a in sb.areas] for sb in self.sbs])
             total = self.smap.total
             self.arena_count = cfg.service.max_clients * cfg.service.client_buffers
@@ -252,7 +256,7 @@ class Supervisor:
             self._mp = multiprocess.get_context("spawn")
             for w in self.workers:
                 self._spawn(w)
-            self.stats.set("config_generation", self.sbs[0].generation)
+            self.stats.set("config_generation", cfg.membership_gen)
             if len(cfg.servers) > 1:
                 self._start_sync()
             me = cfg.servers[self.area]
@@ -269,6 +273,8 @@ class Supervisor:
                 self.events.add({"type": "AllBlocksCleared"})
                 self._emit_stored(np.nonzero(self.slots["state"] == VALID)[0])
             self._listen()
+            self.watcher = MembershipWatcher(cfg.name, self.home, cfg.membership_gen)
+            self.watcher.start()
             (self.rundir / f"{self.server}.pid").write_text(f"{os.getpid()}\n")
             self.log.info("service started", pid=os.getpid(), devices=len(cfg.devices), slots=total,
                           own_slots=sum(len(r) for r in self.own), socket=str(self.sock_path))
@@ -285,13 +291,6 @@ class Supervisor:
         self._spawn_agent()
 
     # ---- membership: allow / deny while running ------------------------------------------------
-    def _config_stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.cfg_path)
-        except FileNotFoundError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
     def _forget_area(self, area: int) -> int:
         """Drop every page of ``area`` from this server's view (its server was denied).
 
@@ -309,20 +308,27 @@ class Supervisor:
             part["gen"] = 0
         return n
 
-    def _check_config(self, force: bool = False) -> None:
-        """Apply an allow/deny written to the store config (by mass-ctl, or copied from the admin host)."""
-        st = self._config_stat()
-        if st is None or (st == self._cfg_stat and not force):
-            return
-        self._cfg_stat = st
-        try:
-            new = load_store(self.cfg.name, self.home)
-            self._apply_config(new)
-        except (ValueError, KVStoreError, OSError) as e:
-            self.log.warning("store config changed but was not applied", error=str(e))
+    def _check_membership(self) -> None:
+        """Apply what the watcher read: an allow/deny from any machine (via the superblocks), or
+        this machine's edited config. Errors are logged; the service serves on as it was."""
+        assert self.watcher is not None
+        for item in self.watcher.take():
+            if isinstance(item, RefusedCopies):
+                self.log.warning("superblock copy refused", reason=str(item))
+                continue
+            if isinstance(item, Exception):
+                self.log.warning("store config changed but was not applied", error=str(item))
+                continue
+            try:
+                self._apply_config(*item)
+            except (ValueError, KVStoreError, OSError) as e:
+                self.log.warning("store config changed but was not applied", error=str(e))
 
-    def _apply_config(self, new: StoreConfig) -> None:
+    def _apply_config(self, new: StoreConfig, m: Membership) -> None:
         old = self.cfg
+        if new.membership_gen < old.membership_gen:
+            raise ValueError(f"the devices' membership went back from generation {old.membership_gen} to "
+                             f"{new.membership_gen}: refused")
         for what in ("uuid", "page_size", "devices", "salt"):
             if getattr(new, what) != getattr(old, what):
                 raise ValueError(f"the config's {what} changed: restart the service to use it")
@@ -330,11 +336,13 @@ class Supervisor:
                 o.name != n.name and not o.denied for o, n in zip(old.servers, new.servers)):
             raise ValueError("servers were removed or reordered (deny them instead; areas never shift)")
         if new.servers == old.servers:
+            self.cfg = new  # this machine's settings changed, or nothing that concerns us
+            self.stats.set("config_generation", new.membership_gen)
             return
-        sbs = verify_store(new)
+        sbs = m.sbs
         if [[a.slot_count for a in sb.areas] for sb in sbs] != self.smap.counts:
             raise ValueError("the devices' area layout changed: restart the service")
-        if new.servers[self.area].denied:
+        if new.servers[self.area].denied or new.servers[self.area].name != self.server:
             self.log.error("this server was denied on the store; stopping")
             self.stop = True
             return
@@ -354,7 +362,7 @@ class Supervisor:
         self.sbs = sbs
         self.stats.add("areas_dropped", dropped)
         self.stats.add("config_reloads")
-        self.stats.set("config_generation", sbs[0].generation)
+        self.stats.set("config_generation", new.membership_gen)
         if self.sync is None:
             if len(new.servers) > 1:
                 self._start_sync()
@@ -452,7 +460,8 @@ class Supervisor:
     def _spawn_agent(self) -> None:
         cfg = self.cfg
         me = cfg.servers[self.area]
-        public, secret = load_keypair(cfg.name, self.server, self.home)
+        public, secret = keypair_for(cfg.name, me.public_key.encode(), self.home) if me.public_key \
+            else load_keypair(cfg.name, self.server, self.home)
         # the membership the new agent serves is the one the supervisor merges for
         assert self.sync is not None
         self.sync.denied[:len(cfg.servers)] = [s.denied for s in cfg.servers]
@@ -970,7 +979,7 @@ class Supervisor:
 
     def run(self) -> None:
         """Serve until ``stop`` is set (SIGTERM/SIGINT), then shut down."""
-        last = last_full = last_cfg = 0.0
+        last = last_full = 0.0
         try:
             while not self.stop:
                 n = self._drain_completions() + self._serve_clients()
@@ -992,10 +1001,8 @@ class Supervisor:
                     if self.events is not None:
                         self.events.tick()
                     self._check_workers()
-                    if now - last_cfg >= CONFIG_POLL_S or self._reload:
-                        last_cfg = now
-                        self._check_config(force=self._reload)
-                        self._reload = False
+                    if self.watcher is not None:
+                        self._check_membership()
                     full = now - last_full >= 1.0
                     if full:
                         last_full = now
@@ -1006,12 +1013,13 @@ class Supervisor:
             self.shutdown()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop the loop cleanly; SIGHUP re-reads the store config now."""
+        """SIGTERM and SIGINT stop the loop cleanly; SIGHUP re-reads the membership and config now."""
         def _stop(signum: int, frame: Any) -> None:
             self.stop = True
 
         def _hup(signum: int, frame: Any) -> None:
-            self._reload = True
+            if self.watcher is not None:
+                self.watcher.poke()
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
         signal.signal(signal.SIGHUP, _hup)
@@ -1019,6 +1027,9 @@ class Supervisor:
     def shutdown(self) -> None:
         """Stop workers, disconnect clients, remove every segment, semaphore, socket and pid file."""
         self.stop = True
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
         if self.events is not None:
             self.events.close()
             self.events = None

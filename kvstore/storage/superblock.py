@@ -1,13 +1,18 @@
-"""The superblock: a 4 KiB block at offset 0 of every device, and its copy at 4096.
+"""The superblock: an 8 KiB block at offset 0 of every device, and its copy at 8192.
 
-Layout (little-endian, 4096 bytes; docs/FORMAT.md "Superblock")::
+The devices are the authority on the store: its layout *and* its membership
+(which server owns which area, its sync address and public key, allowed or
+denied). Every machine that sees the devices sees the same store; nothing is
+copied between machines.
+
+Layout (little-endian, 8192 bytes; docs/FORMAT.md "Superblock")::
 
     off  size  field
       0     8  magic            b"KVSTSUPR"
-      8     4  version          u32, FORMAT_VERSION
+      8     4  version          u32, SUPERBLOCK_VERSION (2)
      12     4  block_size       u32, 4096
      16    16  store_uuid       16 raw bytes
-     32     8  generation       u64, bumped by every rewrite
+     32     8  generation       u64, bumped by every rewrite of this device's superblock
      40     8  page_size        u64, payload bytes per slot (multiple of 4096)
      48     8  device_size      u64, bytes of the device when formatted
      56     8  data_offset      u64, byte offset of the first area (1 MiB)
@@ -16,20 +21,34 @@ Layout (little-endian, 4096 bytes; docs/FORMAT.md "Superblock")::
      72     4  area_count       u32, <= MAX_AREAS
      76     4  reserved         zero
      80    32  store_name       utf-8, NUL padded
-    112  48*64 area table       MAX_AREAS entries of AREA_FMT (below), unused ones zero
-   3184   904  reserved         zero
-   4088     8  checksum         xxh3_64 of bytes [0, 4088)
+    112     8  membership_gen   u64, store-wide: bumped by every create/allow/deny, same on every device
+    120     8  reserved         zero
+    128    32  salt             key-digest salt of the store (shared by all its servers)
+    160    32  admin_key        Ed25519 public key of the store's administrator
+    192    64  signature        Ed25519 by admin_key over bytes [0, 8184) with this field zeroed
+    256 160*48 area table       MAX_AREAS entries of AREA_FMT (below), unused ones zero
+   7936   248  reserved         zero
+   8184     8  checksum         xxh3_64 of bytes [0, 8184)
 
-    area entry (64 bytes):
+    area entry (160 bytes):
       0    32  server_name      utf-8, NUL padded; empty: a spare area for `allow`
      32     8  offset           u64, byte offset of the area's slot 0
      40     8  slot_count       u64
      48     4  flags            u32, bit 0 DENIED (its server was cut off; nobody reads it)
-     52    12  reserved         zero
+     52     4  reserved         zero
+     56     8  changed_gen      u64, membership_gen of the entry's last change
+     64    32  public_key       CurveZMQ public key (raw); zero: none
+     96    64  sync             utf-8 "HOST:PORT" of its peer sync endpoint, NUL padded; empty: none
 
 Why two copies: a rewrite (generation g+1) writes copy A, syncs, then copy B.
 A torn write leaves one copy whose checksum fails; the reader takes the valid
 copy with the highest generation, so either the old or the new superblock wins.
+
+Why a signature: every server of the store can write the devices, a denied one
+included (until the fabric's own access list shuts it out). The checksum finds
+torn and rotten blocks; only the signature of the administrator's key, which
+every machine pins at its first connect, makes a forged membership entry (a
+denied server allowing itself again, a key nobody admitted) fail to verify.
 """
 
 from __future__ import annotations
@@ -42,20 +61,26 @@ import xxhash
 from ..errors import CorruptPage
 
 MAGIC = b"KVSTSUPR"
+SUPERBLOCK_VERSION = 2
+#: Version of the slot header format (storage/header.py); the superblock has its own.
 FORMAT_VERSION = 1
 BLOCK = 4096
-SUPERBLOCK_SIZE = 4096
-COPY_OFFSETS = (0, 4096)
+SUPERBLOCK_SIZE = 8192
+COPY_OFFSETS = (0, 8192)
 DATA_OFFSET = 1 << 20
 MAX_AREAS = 48
 AREA_DENIED = 1
 AREA_FLAGS = AREA_DENIED
+KEY_BYTES = 32
+SYNC_BYTES = 64
 
-HEAD_FMT = "<8sII16sQQQQIIII32s"
-AREA_FMT = "<32sQQI12x"
-HEAD_SIZE = struct.calcsize(HEAD_FMT)  # 112
-AREA_SIZE = struct.calcsize(AREA_FMT)  # 64
+HEAD_FMT = "<8sII16sQQQQIIII32sQ8x32s32s64s"
+AREA_FMT = "<32sQQI4xQ32s64s"
+HEAD_SIZE = struct.calcsize(HEAD_FMT)  # 256
+AREA_SIZE = struct.calcsize(AREA_FMT)  # 160
 AREA_TABLE_OFFSET = HEAD_SIZE
+SIGNATURE_OFFSET = 192
+SIGNATURE_SIZE = 64
 CHECKSUM_OFFSET = SUPERBLOCK_SIZE - 8
 
 
@@ -64,12 +89,16 @@ class Area:
     """One server's area on one device: ``slot_count`` slots starting at ``offset``.
 
     ``server`` is empty for a spare area (reserved at create for a server allowed later);
-    ``flags & AREA_DENIED`` marks the area of a denied server."""
+    ``flags & AREA_DENIED`` marks the area of a denied server. ``public_key`` (raw 32 bytes,
+    or empty) and ``sync`` (``HOST:PORT`` or empty) are the server's identity for its peers."""
 
     server: str
     offset: int
     slot_count: int
     flags: int = 0
+    public_key: bytes = b""
+    sync: str = ""
+    changed_gen: int = 0
 
     @property
     def spare(self) -> bool:
@@ -95,60 +124,98 @@ class Superblock:
     device_count: int
     areas: tuple[Area, ...]
     data_offset: int = DATA_OFFSET
+    membership_gen: int = 0
+    salt: bytes = bytes(32)
+    admin_key: bytes = bytes(32)
+    signature: bytes = bytes(64)
 
     @property
     def slot_size(self) -> int:
         """Bytes per slot on the device: one 4 KiB header block plus the payload."""
         return BLOCK + self.page_size
 
-    def encode(self) -> bytes:
-        """The 4096-byte on-device form, checksum included."""
+    def signed_bytes(self) -> bytes:
+        """What the administrator signs: the encoded block before the checksum, signature zeroed."""
+        return bytes(self._pack(bytes(SIGNATURE_SIZE))[:CHECKSUM_OFFSET])
+
+    def _pack(self, signature: bytes) -> bytearray:
         if len(self.areas) > MAX_AREAS:
             raise ValueError(f"at most {MAX_AREAS} areas per device, got {len(self.areas)}")
+        if len(self.salt) != 32 or len(self.admin_key) != KEY_BYTES or len(signature) != SIGNATURE_SIZE:
+            raise ValueError("superblock: salt and admin key are 32 bytes, the signature 64")
         buf = bytearray(SUPERBLOCK_SIZE)
         struct.pack_into(
-            HEAD_FMT, buf, 0, MAGIC, FORMAT_VERSION, BLOCK, self.store_uuid, self.generation,
+            HEAD_FMT, buf, 0, MAGIC, SUPERBLOCK_VERSION, BLOCK, self.store_uuid, self.generation,
             self.page_size, self.device_size, self.data_offset, self.device_index,
-            self.device_count, len(self.areas), 0, self.store_name.encode(),
+            self.device_count, len(self.areas), 0, _fixed(self.store_name, 32, "store name"),
+            self.membership_gen, self.salt, self.admin_key, signature,
         )
         for i, a in enumerate(self.areas):
+            if a.public_key and len(a.public_key) != KEY_BYTES:
+                raise ValueError(f"area {i}: a public key is {KEY_BYTES} bytes")
             struct.pack_into(AREA_FMT, buf, AREA_TABLE_OFFSET + i * AREA_SIZE,
-                             a.server.encode(), a.offset, a.slot_count, a.flags)
+                             _fixed(a.server, 32, "server name"), a.offset, a.slot_count, a.flags,
+                             a.changed_gen, a.public_key or bytes(KEY_BYTES), _fixed(a.sync, SYNC_BYTES, "sync address"))
+        return buf
+
+    def encode(self) -> bytes:
+        """The 8192-byte on-device form, signature and checksum included."""
+        buf = self._pack(self.signature)
         struct.pack_into("<Q", buf, CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:CHECKSUM_OFFSET])))
         return bytes(buf)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Superblock:
-        """Parse and validate one copy.
+        """Parse and validate one copy (checksum, version, ranges; the signature is the
+        caller's to verify against the key it trusts: storage/membership.py).
 
         Raises:
             CorruptPage: bad magic, version, checksum or field range.
         """
         data = bytes(data[:SUPERBLOCK_SIZE])
-        if len(data) < SUPERBLOCK_SIZE:
+        if len(data) < 16:
             raise CorruptPage(f"superblock: {len(data)} bytes, need {SUPERBLOCK_SIZE}")
-        (magic, version, block, uuid, gen, page_size, dev_size, data_off, dev_idx, dev_count,
-         n_areas, _res, name) = struct.unpack_from(HEAD_FMT, data, 0)
+        magic, version = struct.unpack_from("<8sI", data, 0)
         if magic != MAGIC:
             raise CorruptPage("superblock: bad magic (not a kvstore device)")
+        if version != SUPERBLOCK_VERSION:
+            raise CorruptPage(
+                f"superblock: format version {version}, this kvstore reads {SUPERBLOCK_VERSION}"
+                + (" (version 1 kept the membership in a config file; re-create the store with "
+                   "'mass-ctl kvcache create ... --force': its pages are regenerable cache)" if version == 1 else ""))
+        if len(data) < SUPERBLOCK_SIZE:
+            raise CorruptPage(f"superblock: {len(data)} bytes, need {SUPERBLOCK_SIZE}")
         (stored,) = struct.unpack_from("<Q", data, CHECKSUM_OFFSET)
         if stored != xxhash.xxh3_64_intdigest(data[:CHECKSUM_OFFSET]):
             raise CorruptPage("superblock: checksum mismatch")
-        if version != FORMAT_VERSION:
-            raise CorruptPage(f"superblock: format version {version}, this kvstore reads {FORMAT_VERSION}")
+        (_m, _v, block, uuid, gen, page_size, dev_size, data_off, dev_idx, dev_count, n_areas, _res, name,
+         mgen, salt, admin, sig) = struct.unpack_from(HEAD_FMT, data, 0)
         if block != BLOCK or page_size % BLOCK or page_size == 0 or n_areas > MAX_AREAS \
                 or dev_idx >= dev_count or data_off % BLOCK:
             raise CorruptPage("superblock: field out of range")
         areas = []
         for i in range(n_areas):
-            sname, off, count, flags = struct.unpack_from(AREA_FMT, data, AREA_TABLE_OFFSET + i * AREA_SIZE)
+            sname, off, count, flags, cgen, key, sync = struct.unpack_from(
+                AREA_FMT, data, AREA_TABLE_OFFSET + i * AREA_SIZE)
             if off % BLOCK or off + count * (BLOCK + page_size) > dev_size:
                 raise CorruptPage(f"superblock: area {i} lies outside the device")
             if flags & ~AREA_FLAGS:
                 raise CorruptPage(f"superblock: area {i} has unknown flags {flags:#x}")
-            areas.append(Area(sname.rstrip(b"\0").decode(errors="replace"), off, count, flags))
-        return cls(uuid, name.rstrip(b"\0").decode(errors="replace"), gen, page_size, dev_size,
-                   dev_idx, dev_count, tuple(areas), data_off)
+            areas.append(Area(_text(sname), off, count, flags, b"" if key == bytes(KEY_BYTES) else key,
+                              _text(sync), cgen))
+        return cls(uuid, _text(name), gen, page_size, dev_size, dev_idx, dev_count, tuple(areas), data_off,
+                   mgen, salt, admin, sig)
+
+
+def _fixed(text: str, size: int, what: str) -> bytes:
+    raw = text.encode()
+    if len(raw) > size:
+        raise ValueError(f"superblock: {what} {text!r} is longer than {size} bytes")
+    return raw
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode(errors="replace")
 
 
 def plan_areas(device_size: int, page_size: int, servers: list[str], areas: int | None = None,

@@ -1,23 +1,26 @@
-"""allow / deny on a live store: real services pick the change up from the store config and superblocks."""
+"""allow / deny on a live store: real services, on separate MASS_HOMEs standing for separate machines,
+pick the change up from the superblocks alone; torn and forged superblocks change nothing."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvstore.config import load_store
+from kvstore.crdt.keys import load_keypair
 from kvstore.storage.device import read_superblock
+from kvstore.storage.membership import AdminKey
 from kvstore.testing import ServiceProcess, free_port_pair, make_store, wait_for
 from kvstore.tui.source import LiveSource
 
-from .test_multiserver import PS, keys_of, put_pages, read_all, stats, visible
+from .test_multiserver import PS, _rogue_sub, keys_of, put_pages, read_all, stats, visible
 
 pytestmark = pytest.mark.integration
 
@@ -79,51 +82,163 @@ def test_allow_a_server_into_a_running_store(home: Path, file_devices: Any, serv
     cfg_file.write_text(good)
 
 
-def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices: Any, services: Any) -> None:
-    cluster(home, file_devices, ["a", "b", "c"], spare=0)
-    # c runs from its own MASS_HOME, as on another machine: it never hears of the deny
-    home_c = home / "host-c"
-    (home_c / "stores").mkdir(parents=True)
-    (home_c / "keys" / "m").mkdir(parents=True)
-    shutil.copy(home / "stores" / "m.toml", home_c / "stores" / "m.toml")
-    shutil.copy(home / "keys" / "m" / "c.key", home_c / "keys" / "m" / "c.key")
-    sa, sb = services(home, "m", "a"), services(home, "m", "b")
-    sc = ServiceProcess(home_c, "m", "c").start()
+def keygen(home: Path, server: str) -> str:
+    r = ctl(home, "keygen", "m", "--server", server)
+    assert r.returncode == 0, r.stderr
+    return next(ln.split(": ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("public key: "))
+
+
+def admitted(endpoint: str, server_key: bytes, public: bytes, secret: bytes, wait_ms: int) -> bool:
+    """Does a SUB with this keypair receive anything from the service's PUB endpoint?"""
+    ctx, sub = _rogue_sub(endpoint, server_key, public, secret)
     try:
-        assert put_pages(home_c, "c", keys_of("c", 30)).stored == 30
-        assert wait_for(lambda: visible(home, "a", keys_of("c", 30)) == 30)
+        return bool(sub.poll(wait_ms))
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
+def test_machines_join_and_leave_through_the_devices_alone(home: Path, file_devices: Any, services: Any) -> None:
+    """Three MASS_HOMEs stand for three machines; nothing is copied between them. The administrator's
+    machine creates the store; b and c make their own keys, are allowed by public key, and join with a
+    device path; a deny on the administrator's machine reaches both others through the devices."""
+    devs = file_devices.make(2, (1 << 20) + 4 * 100 * (4096 + PS))
+    make_store(home, "m", devs, PS, [f"a=127.0.0.1:{free_port_pair()}"], spare=3)
+    sa = services(home, "m", "a")
+    assert put_pages(home, "a", keys_of("a", 40)).stored == 40
+    host_b, host_c = home / "host-b", home / "host-c"
+    pub_b, pub_c = keygen(host_b, "b"), keygen(host_c, "c")
+    for name, pub in (("b", pub_b), ("c", pub_c)):
+        r = ctl(home, "allow", "m", f"{name}=127.0.0.1:{free_port_pair()}", "--key", pub)
+        assert r.returncode == 0, r.stderr
+        assert "applied by the running service(s) here: a" in r.stdout
+        assert not (home / "keys" / "m" / f"{name}.key").exists()  # no private key was made here
+    admin_key = json.loads(ctl(home, "show", "m", "--json").stdout)["admin_key"]
+    # b: only a device path (the other device is found beside it); its server name comes from its key
+    r = ctl(host_b, "connect", "m", "--device", devs[1], "--daemon")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"trusting the administrator key of store m: {admin_key}" in r.stdout and "as server b" in r.stdout
+    sb = ServiceProcess(host_b, "m", "b")  # for its prefix and shm checks; the daemon is stopped below
+    try:
+        local_b = (host_b / "stores" / "m.toml").read_text()
+        assert "127.0.0.1" not in local_b and pub_b not in local_b  # membership stays on the devices
+        assert wait_for(lambda: visible(host_b, "b", keys_of("a", 40)) == 40)
+        assert read_all(host_b, "b", keys_of("a", 40)) == (40, 0, 0)
+        # c pins the administrator key it was given
+        sc = services(host_c, "m", "c", args=["--device", devs[0], "--admin-key", admin_key])
+        assert put_pages(host_c, "c", keys_of("c", 30)).stored == 30
+        assert put_pages(host_b, "b", keys_of("b", 20)).stored == 20
+        for h, reader in ((home, "a"), (host_b, "b")):
+            assert wait_for(lambda: visible(h, reader, keys_of("c", 30)) == 30)
+            assert read_all(h, reader, keys_of("c", 30)) == (30, 0, 0)
+        assert wait_for(lambda: visible(host_c, "c", keys_of("b", 20)) == 20)
+        cfg = load_store("m", home)
+        c_pub, c_sec = (host_c / "keys" / "m" / "c.key").read_text().encode().split()
+        b_endpoint, b_key = cfg.servers[1].endpoints[0], cfg.servers[1].public_key.encode()
+        a_pub, a_sec = load_keypair("m", "a", home)
+        assert admitted(b_endpoint, b_key, c_pub, c_sec, 3000)  # control: c's key is admitted by b
+        # deny c on the administrator's machine: b and c apply it from the devices, with nothing copied
         r = ctl(home, "deny", "m", "c")
         assert r.returncode == 0, r.stderr
-        assert "applied by the running service(s) here: a, b" in r.stdout
-        # applied means: c's pages are gone from a's and b's index at once, its key is revoked
-        assert visible(home, "a", keys_of("c", 30)) == 0 and visible(home, "b", keys_of("c", 30)) == 0
-        assert read_all(home, "a", keys_of("c", 30)) == (0, 30, 0)
-        assert stats(sa).areas_dropped == 30
-        assert not (home / "keys" / "m" / "c.key").exists()
-        assert load_store("m", home).servers[2].denied
-        # c, still running on its old config, writes on; a and b never take its word again
-        assert put_pages(home_c, "c", keys_of("c-after", 20)).stored == 20
-        assert put_pages(home, "b", keys_of("b-marker", 5)).stored == 5
-        assert wait_for(lambda: visible(home, "a", keys_of("b-marker", 5)) == 5)
-        time.sleep(1.5)  # several heartbeats and flushes of c's: a negative check needs a window
-        assert visible(home, "a", keys_of("c-after", 20) + keys_of("c", 30)) == 0
-        # refusals
-        r = ctl(home, "connect", "m", "--server", "c")
+        assert wait_for(lambda: sc.proc.poll() is not None)  # c's own service stopped itself
+        assert sc.proc.returncode == 0
+        assert wait_for(lambda: visible(host_b, "b", keys_of("c", 30)) == 0)
+        assert visible(home, "a", keys_of("c", 30)) == 0
+        assert read_all(host_b, "b", keys_of("c", 30)) == (0, 30, 0)
+        assert stats(sb).config_reloads == 1  # b joined after both allows: it applied the deny
+        # b no longer admits c's key, and still admits a's
+        assert not admitted(b_endpoint, b_key, c_pub, c_sec, 1500)
+        assert admitted(b_endpoint, b_key, a_pub, a_sec, 3000)
+        r = ctl(host_c, "connect", "m", "--server", "c")
         assert r.returncode == 4 and "was denied" in r.stderr
-        r = ctl(home, "deny", "m", "c")
-        assert r.returncode == 4 and "already denied" in r.stderr
-        r = ctl(home, "deny", "m", "zz")
-        assert r.returncode == 4 and "not allowed" in r.stderr
+        r = ctl(host_c, "connect", "m")  # c's key matches no allowed server any more
+        assert r.returncode == 4 and "no key here matches an allowed server" in r.stderr
+        # refusals on a machine that is not the administrator's
+        r = ctl(host_b, "deny", "m", "a")
+        assert r.returncode == 4 and "no administrator key" in r.stderr
+        # a machine pinning another administrator key refuses the devices
+        r = ctl(home / "host-d", "connect", "m", "--device", devs[0], "--admin-key", "ab" * 32)
+        assert r.returncode == 4 and "no superblock copy is signed by the store's administrator key abababab" in r.stderr
+        assert stats(sa).sync_messages_rejected == 0
     finally:
-        assert sc.stop() == 0
-    assert not sc.leftovers()
+        r = ctl(host_b, "disconnect", "m", "--server", "b")
+    assert r.returncode == 0, r.stderr
+    assert not sb.leftovers()
+
+
+def test_torn_and_forged_superblocks_keep_the_last_good_membership(home: Path, file_devices: Any,
+                                                                    services: Any) -> None:
+    devs = cluster(home, file_devices, ["a", "b"], spare=1)
+    sa = services(home, "m", "a")
+    src = LiveSource("m", home)
+    gen = stats(sa).config_generation
+    sb0 = read_superblock(devs[0])
+    allow_x = tuple(dataclasses.replace(x, server="x", public_key=bytes(32 * [7]), sync="127.0.0.1:1")
+                    if x.spare else x for x in sb0.areas)
+    admin = AdminKey.load(home / "keys" / "m" / "admin.sign")
+    # torn: the administrator's own signed rewrite, cut after its first 4 KiB, in copy A of device 0
+    torn = admin.sign(dataclasses.replace(sb0, generation=sb0.generation + 1, membership_gen=sb0.membership_gen + 1,
+                                          areas=allow_x)).encode()
+    with open(devs[0], "r+b") as f:
+        f.write(torn[:4096])
+    assert wait_for(lambda: any(w["event"] == "superblock copy refused" and "checksum" in w.get("reason", "")
+                                for w in src.snapshot()["a"]["warnings"]))
+    # forged: a whole, checksummed copy on device 1 that allows x, signed by a key nobody trusts
+    mallory = AdminKey.generate()
+    sb1 = read_superblock(devs[1])
+    forged = mallory.sign(dataclasses.replace(sb1, generation=sb1.generation + 1,
+                                              membership_gen=sb1.membership_gen + 5, areas=allow_x))
+    with open(devs[1], "r+b") as f:
+        f.write(forged.encode())
+    assert wait_for(lambda: any(w["event"] == "superblock copy refused" and "not signed" in w.get("reason", "")
+                                for w in src.snapshot()["a"]["warnings"]))
+    assert stats(sa).config_generation == gen and stats(sa).config_reloads == 0
+    assert [s.name for s in load_store("m", home).servers] == ["a", "b"]
+    assert put_pages(home, "a", keys_of("a", 10)).stored == 10  # serving on
+    assert read_all(home, "a", keys_of("a", 10)) == (10, 0, 0)
+    # both copies of device 1 forged: the device no longer verifies; the service keeps what it has
+    with open(devs[1], "r+b") as f:
+        f.seek(8192)
+        f.write(forged.encode())
+    assert wait_for(lambda: any(w["event"] == "store config changed but was not applied"
+                                and "no superblock copy is signed" in w.get("error", "")
+                                for w in src.snapshot()["a"]["warnings"]))
+    assert read_all(home, "a", keys_of("a", 10)) == (10, 0, 0)
+    r = ctl(home, "allow", "m", f"y=127.0.0.1:{free_port_pair()}")  # and allow refuses to build on it
+    assert r.returncode == 4 and "no superblock copy is signed" in r.stderr
+
+
+def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices: Any, services: Any) -> None:
+    cluster(home, file_devices, ["a", "b", "c"], spare=0)
+    sa, sb = services(home, "m", "a"), services(home, "m", "b")
+    sc = services(home, "m", "c")
+    assert put_pages(home, "c", keys_of("c", 30)).stored == 30
+    assert wait_for(lambda: visible(home, "a", keys_of("c", 30)) == 30)
+    r = ctl(home, "deny", "m", "c")
+    assert r.returncode == 0, r.stderr
+    assert "applied by the running service(s) here: a, b, c" in r.stdout
+    # applied means: c's pages are gone from a's and b's index at once, its key is revoked
+    assert visible(home, "a", keys_of("c", 30)) == 0 and visible(home, "b", keys_of("c", 30)) == 0
+    assert read_all(home, "a", keys_of("c", 30)) == (0, 30, 0)
+    assert stats(sa).areas_dropped == 30
+    assert not (home / "keys" / "m" / "c.key").exists()
+    assert load_store("m", home).servers[2].denied
+    assert wait_for(lambda: sc.proc.poll() is not None) and sc.proc.returncode == 0
+    # refusals
+    r = ctl(home, "connect", "m", "--server", "c")
+    assert r.returncode == 4 and "was denied" in r.stderr
+    r = ctl(home, "deny", "m", "c")
+    assert r.returncode == 4 and "already denied" in r.stderr
+    r = ctl(home, "deny", "m", "zz")
+    assert r.returncode == 4 and "not allowed" in r.stderr
     # allow c again: it gets its area back with a new key, and what it holds is visible again
     r = ctl(home, "allow", "m", "c")
     assert r.returncode == 0, r.stderr
     assert "area 2" in r.stdout
     services(home, "m", "c")
-    assert wait_for(lambda: visible(home, "a", keys_of("c-after", 20)) == 20)
-    assert read_all(home, "a", keys_of("c-after", 20)) == (20, 0, 0)
+    assert wait_for(lambda: visible(home, "a", keys_of("c", 30)) == 30)
+    assert read_all(home, "a", keys_of("c", 30)) == (30, 0, 0)
+    assert put_pages(home, "b", keys_of("b-marker", 5)).stored == 5
     # the last allowed server cannot be denied
     assert ctl(home, "deny", "m", "b").returncode == 0
     r = ctl(home, "deny", "m", "c")

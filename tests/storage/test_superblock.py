@@ -1,17 +1,22 @@
 from __future__ import annotations
 
+import dataclasses
+import struct
 import uuid
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.errors import CorruptPage, DeviceMismatch
-from kvstore.storage.device import format_device, read_superblock, set_area, verify_device, write_superblock
-from kvstore.storage.superblock import (AREA_DENIED, DATA_OFFSET, MAX_AREAS, Area, Superblock, areas_that_fit,
-                                        plan_areas)
+from kvstore.storage.device import format_device, read_superblock, write_superblock
+from kvstore.storage.membership import AdminKey
+from kvstore.storage.superblock import (AREA_DENIED, COPY_OFFSETS, DATA_OFFSET, MAGIC, MAX_AREAS, SUPERBLOCK_SIZE,
+                                        Area, Superblock, areas_that_fit, plan_areas)
 
 U = uuid.uuid4().bytes
+ADMIN = AdminKey.generate()
 
 
 def sb(**kw: object) -> Superblock:
@@ -24,10 +29,10 @@ def sb(**kw: object) -> Superblock:
 def test_roundtrip() -> None:
     s = sb()
     assert Superblock.decode(s.encode()) == s
-    assert len(s.encode()) == 4096
+    assert len(s.encode()) == SUPERBLOCK_SIZE == 8192
 
 
-@given(st.integers(0, 4095), st.integers(1, 255))
+@given(st.integers(0, SUPERBLOCK_SIZE - 1), st.integers(1, 255))
 def test_any_flipped_byte_is_detected(pos: int, flip: int) -> None:
     data = bytearray(sb().encode())
     data[pos] ^= flip
@@ -52,14 +57,24 @@ def test_too_many_areas() -> None:
         sb(areas=tuple(Area(f"s{i}", DATA_OFFSET, 0) for i in range(MAX_AREAS + 1))).encode()
 
 
-def test_torn_copy_falls_back_to_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def fmt(p: Path, **kw: object) -> Superblock:
+    base: dict[str, object] = dict(store_uuid=U, store_name="s", page_size=1 << 16, device_index=0, device_count=1,
+                                   servers=[Area("a", 0, 0)], salt=bytes(32), sign=ADMIN.sign)
+    base.update(kw)
+    return format_device(str(p), **base)  # type: ignore[arg-type]
+
+
+def blank(tmp_path: Path, size: int = 64 << 20) -> Path:
     p = tmp_path / "d"
-    p.write_bytes(b"")
-    with open(p, "r+b") as f:
-        f.truncate(64 << 20)
-    s1 = format_device(str(p), store_uuid=U, store_name="s", page_size=1 << 16, device_index=0,
-                       device_count=1, servers=["a"])
-    s2 = Superblock(**{**s1.__dict__, "generation": s1.generation + 1})
+    with open(p, "wb") as f:
+        f.truncate(size)
+    return p
+
+
+def test_torn_copy_falls_back_to_other(tmp_path: Path) -> None:
+    p = blank(tmp_path)
+    s1 = fmt(p)
+    s2 = ADMIN.sign(dataclasses.replace(s1, generation=s1.generation + 1))
     write_superblock(str(p), s2)
     # tear copy A (as if the rewrite died half way): the reader takes copy B
     with open(p, "r+b") as f:
@@ -68,42 +83,34 @@ def test_torn_copy_falls_back_to_other(tmp_path) -> None:  # type: ignore[no-unt
     assert read_superblock(str(p)) == s2
     # tear copy B too: no valid superblock is left
     with open(p, "r+b") as f:
-        f.seek(4096 + 100)
+        f.seek(COPY_OFFSETS[1] + 100)
         f.write(b"\xff" * 50)
     with pytest.raises(DeviceMismatch, match="not formatted"):
         read_superblock(str(p))
 
 
-def test_format_refuses_other_store_without_force(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    p = tmp_path / "d"
-    with open(p, "wb") as f:
-        f.truncate(16 << 20)
-    kw = dict(page_size=1 << 16, device_index=0, device_count=1, servers=["a"])
-    format_device(str(p), store_uuid=U, store_name="first", **kw)  # type: ignore[arg-type]
+def test_format_refuses_other_store_without_force(tmp_path: Path) -> None:
+    p = blank(tmp_path, 16 << 20)
+    fmt(p, store_name="first")
     other = uuid.uuid4().bytes
     with pytest.raises(DeviceMismatch, match="already belongs to store 'first'.*--force"):
-        format_device(str(p), store_uuid=other, store_name="second", **kw)  # type: ignore[arg-type]
+        fmt(p, store_uuid=other, store_name="second")
     assert read_superblock(str(p)).store_uuid == U  # nothing was lost
-    s = format_device(str(p), store_uuid=other, store_name="second", force=True, **kw)  # type: ignore[arg-type]
+    s = fmt(p, store_uuid=other, store_name="second", force=True)
     assert s.generation == 2 and read_superblock(str(p)).store_uuid == other
 
 
-def test_verify_reports_what_differs(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    p = tmp_path / "d"
-    with open(p, "wb") as f:
-        f.truncate(16 << 20)
-    format_device(str(p), store_uuid=U, store_name="s", page_size=1 << 16, device_index=0, device_count=2,
-                  servers=["a"])
-    good = dict(store_uuid=U, page_size=1 << 16, device_index=0, device_count=2, servers=["a"])
-    verify_device(str(p), **good)  # type: ignore[arg-type]
-    for bad, msg in [({"store_uuid": uuid.uuid4().bytes}, "belongs to store"),
-                     ({"device_index": 1}, "out of order"),
-                     ({"page_size": 1 << 17}, "page size"),
-                     ({"servers": ["a", "b"]}, "areas")]:
-        with pytest.raises(DeviceMismatch, match=msg):
-            verify_device(str(p), **{**good, **bad})  # type: ignore[arg-type]
-    with pytest.raises(DeviceMismatch, match="does not exist"):
-        verify_device(str(tmp_path / "nope"), **good)  # type: ignore[arg-type]
+def test_version_1_superblock_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    p = blank(tmp_path, 16 << 20)
+    v1 = bytearray(4096)  # a version-1 superblock: same magic, version 1, 4 KiB
+    struct.pack_into("<8sI", v1, 0, MAGIC, 1)
+    with open(p, "r+b") as f:
+        f.write(v1)
+    with pytest.raises(DeviceMismatch, match="format version 1.*re-create the store"):
+        read_superblock(str(p))
+    with pytest.raises(DeviceMismatch, match="another format version.*--force"):
+        fmt(p)
+    assert fmt(p, force=True).store_uuid == U
 
 
 def test_spare_areas_and_fixed_area_size() -> None:
@@ -128,24 +135,13 @@ def test_denied_flag_round_trips_and_unknown_flags_are_corrupt() -> None:
         Superblock.decode(bad.encode())
 
 
-def test_set_area_names_a_spare_and_flags_a_denied_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    p = tmp_path / "d"
-    with open(p, "wb") as f:
-        f.truncate(16 << 20)
-    s0 = format_device(str(p), store_uuid=U, store_name="s", page_size=1 << 16, device_index=0, device_count=1,
-                       servers=["a"], areas=2)
-    good = dict(store_uuid=U, page_size=1 << 16, device_index=0, device_count=1)
-    verify_device(str(p), servers=["a"], **good)  # type: ignore[arg-type]
-    s1 = set_area(str(p), store_uuid=U, index=1, server="b", denied=False)
-    assert s1.generation == s0.generation + 1 and s1.areas[1].server == "b"
-    assert s1.areas[1].offset == s0.areas[1].offset and s1.areas[1].slot_count == s0.areas[1].slot_count
-    verify_device(str(p), servers=["a", "b"], **good)  # type: ignore[arg-type]
-    set_area(str(p), store_uuid=U, index=1, server="b", denied=True)
-    assert read_superblock(str(p)).areas[1].denied
-    with pytest.raises(DeviceMismatch, match="denied"):
-        verify_device(str(p), servers=["a", "b"], **good)  # type: ignore[arg-type]
-    verify_device(str(p), servers=["a", "b"], denied=["b"], **good)  # type: ignore[arg-type]
-    with pytest.raises(DeviceMismatch, match="no area 2"):
-        set_area(str(p), store_uuid=U, index=2, server="c", denied=False)
-    with pytest.raises(DeviceMismatch, match="not this one"):
-        set_area(str(p), store_uuid=uuid.uuid4().bytes, index=1, server="c", denied=False)
+def test_membership_fields_round_trip() -> None:
+    pub = bytes(range(32))
+    s = sb(areas=(Area("a", DATA_OFFSET, 4, 0, pub, "10.0.0.1:7000", 5),
+                  Area("", DATA_OFFSET + 4 * (4096 + (1 << 16)), 4)), membership_gen=5, salt=b"s" * 32,
+           admin_key=b"k" * 32, signature=b"g" * 64)
+    back = Superblock.decode(s.encode())
+    assert back == s and back.areas[0].public_key == pub and back.areas[0].sync == "10.0.0.1:7000"
+    assert back.areas[1].public_key == b"" and back.areas[1].spare
+    with pytest.raises(ValueError, match="longer than 64 bytes"):
+        sb(areas=(Area("a", DATA_OFFSET, 4, 0, pub, "h" * 60 + ":7000"),)).encode()

@@ -1,0 +1,320 @@
+"""Administrator operations on a store's membership, as library calls (mass-ctl is a thin shell).
+
+* ``create_store``: format the devices with the first members, make the administrator's
+  signing key (kept on this machine) and this machine's config.
+* ``allow_server`` / ``deny_server``: rewrite the membership on every device, signed;
+  every machine's running services pick it up by polling the superblocks.
+* ``join_store``: a GPU server with nothing but a device path (and its own key) learns
+  the store from the devices and writes its own config.
+
+Nothing secret travels: servers' private keys stay where ``keygen`` made them, only
+public keys go into the membership; the signing key stays where ``create`` ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import uuid as uuidlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq.utils.z85
+
+from .config import (ADDRESS_RE, LocalConfig, ServerConfig, ServiceConfig, StoreConfig, SyncConfig, WorkerConfig,
+                     admin_key_path, check_address, check_name, compose_store, key_path, load_local, mass_home,
+                     save_store, store_path)
+from .errors import DeviceMismatch, NotAllowed, StoreNotFound
+from .storage.membership import AdminKey, Membership, change_membership, fingerprint, read_membership
+from .storage.superblock import AREA_DENIED, Area, Superblock
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """A server as an administrator names it: ``NAME[=HOST:PORT][:PUBLIC]``."""
+
+    name: str
+    sync: str = ""
+    public_key: str = ""
+    """Z85 CurveZMQ public key (40 characters); empty: make a keypair on this machine."""
+
+    @classmethod
+    def parse(cls, spec: str, key: str = "") -> ServerSpec:
+        """Parse ``NAME``, ``NAME=HOST:PORT``, ``NAME=HOST:PORT:PUBLIC`` or ``NAME=:PUBLIC``.
+
+        The public key is the last 40 characters (Z85 may contain ':' itself).
+
+        Raises:
+            ValueError: a malformed name, address or key.
+        """
+        name, _, rest = spec.partition("=")
+        check_name(name, "server")
+        sync, pub = rest, ""
+        if rest and not ADDRESS_RE.match(rest):
+            if len(rest) < 41 or rest[-41] != ":":
+                raise ValueError(f"server {spec!r}: expected NAME=HOST:PORT or NAME=HOST:PORT:PUBLIC_KEY "
+                                 "(the 40-character key printed by 'mass-ctl kvcache keygen')")
+            sync, pub = rest[:-41], rest[-40:]
+        if key:
+            if pub and pub != key:
+                raise ValueError(f"server {name}: two different public keys given")
+            pub = key
+        if sync:
+            check_address(sync, f"server {name}: sync address")
+        if pub:
+            check_public_key(pub, name)
+        return cls(name, sync, pub)
+
+
+def check_public_key(pub: str, server: str) -> bytes:
+    """The raw 32 bytes of a Z85 CurveZMQ public key; raises ``ValueError`` if it is not one."""
+    try:
+        raw = zmq.utils.z85.decode(pub.encode()) if len(pub) == 40 else b""
+    except (ValueError, KeyError, TypeError):
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(f"server {server}: {pub!r} is not a CurveZMQ public key (40 Z85 characters, as "
+                         "'mass-ctl kvcache keygen' prints)")
+    return bytes(raw)
+
+
+def _area_of(spec: ServerSpec) -> Area:
+    return Area(spec.name, 0, 0, 0, check_public_key(spec.public_key, spec.name), spec.sync)
+
+
+def create_store(home: Path, name: str, devices: Sequence[str], page_size: int, servers: Sequence[ServerSpec], *,
+                 events: dict[str, str] | None = None, metrics: dict[str, str] | None = None,
+                 service: ServiceConfig | None = None, worker: WorkerConfig | None = None,
+                 sync: SyncConfig | None = None, force: bool = False, areas: int | None = None,
+                 area_slots: int | None = None) -> tuple[StoreConfig, list[Superblock], list[str]]:
+    """Create store ``name``: keys, formatted devices (membership generation 1), this machine's config.
+
+    Returns the store, each device's superblock, and the servers whose keypair was made here
+    (their key files must reach them: the flow for sites that want the administrator to make keys).
+
+    Raises:
+        ValueError: bad names, addresses, keys, sizes; DeviceMismatch: a device of another store
+        (without ``force``).
+    """
+    from .crdt.keys import create_keypair
+    from .storage.device import format_device
+
+    check_name(name, "store")
+    events, metrics = events or {}, metrics or {}
+    unknown = (set(events) | set(metrics)) - {s.name for s in servers}
+    if unknown:
+        raise ValueError(f"events/metrics name servers that are not in --server: {sorted(unknown)}")
+    salt = os.urandom(32)
+    store_uuid = str(uuidlib.uuid4())
+    local = LocalConfig(name=name, uuid=store_uuid, devices=tuple(devices),
+                        hosted={n: {k: v for k, v in (("events", events.get(n, "")), ("metrics", metrics.get(n, "")))
+                                    if v} for n in {s.name for s in servers} if events.get(n) or metrics.get(n)},
+                        service=service or ServiceConfig(), worker=worker or WorkerConfig(), sync=sync or SyncConfig())
+    # validates the whole (names unique, sync addresses where several servers) before anything is written
+    local.compose(page_size, salt, [(s.name, s.sync, s.public_key, False) for s in servers], 1)
+    made = []
+    specs = []
+    for s in servers:
+        if not s.public_key:
+            s = dataclasses.replace(s, public_key=create_keypair(name, s.name, home))
+            made.append(s.name)
+        specs.append(s)
+    admin = AdminKey.generate()
+    admin.save(admin_key_path(name, home))
+    local = dataclasses.replace(local, admin_key=admin.public.hex())
+    sbs = [format_device(d, store_uuid=uuidlib.UUID(store_uuid).bytes, store_name=name, page_size=page_size,
+                         device_index=i, device_count=len(devices), servers=[_area_of(s) for s in specs],
+                         salt=salt, sign=admin.sign, membership_gen=1, force=force, areas=areas,
+                         area_slots=area_slots)
+           for i, d in enumerate(devices)]
+    save_store(local, home)
+    return compose_store(local, home), sbs, made
+
+
+def allow_server(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str | None = None,
+                 events: str = "", metrics: str = "", update: bool = False) -> tuple[StoreConfig, int, bool]:
+    """Give ``spec`` a spare area (or its own area back if it was denied, or a denied server's
+    area with ``reuse``) on every device, signed; with ``update``, change an allowed server's
+    sync address or key instead. Returns the new store, the area index, and whether a keypair
+    was made here.
+
+    Raises:
+        NotAllowed: already allowed (without ``update``), no spare area, ``reuse`` not denied,
+            or no administrator key here.
+        ValueError: several servers without a sync address.
+    """
+    from .crdt.keys import create_keypair
+
+    admin = _admin(cfg, home)
+    existing = {s.name: i for i, s in enumerate(cfg.servers)}
+    name = spec.name
+    allowed = name in existing and not cfg.servers[existing[name]].denied
+    if update:
+        if not allowed:
+            raise NotAllowed(f"--update: server {name!r} is not allowed on store {cfg.name!r}")
+        old = cfg.servers[existing[name]]
+        spec = ServerSpec(name, spec.sync or old.sync, spec.public_key or old.public_key)
+        if (spec.sync, spec.public_key) == (old.sync, old.public_key):
+            raise NotAllowed(f"--update: server {name!r} already has that address and key")
+    elif allowed:
+        raise NotAllowed(f"server {name!r} is already allowed on store {cfg.name!r} (--update changes its "
+                         "sync address or key)")
+    m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin_key=admin.public)
+    if reuse is not None:
+        ri = cfg.server_index(reuse)
+        if not cfg.servers[ri].denied:
+            raise NotAllowed(f"--reuse {reuse}: that server is not denied (deny it first, and stop it)")
+        if name in existing:
+            raise NotAllowed(f"--reuse: server {name!r} is already on store {cfg.name!r}")
+        index, sync = ri, spec.sync
+    elif name in existing:  # allowed again (after deny), or updated
+        index = existing[name]
+        sync = spec.sync or cfg.servers[index].sync
+    else:
+        index, sync = len(cfg.servers), spec.sync
+    servers = list(cfg.servers)
+    servers[index:index + 1] = [ServerConfig(name, sync, spec.public_key or "k" * 40, events, metrics)]
+    try:
+        dataclasses.replace(cfg, servers=tuple(servers))  # validates: sync addresses, server count
+    except ValueError as e:
+        lacking = next((s.name for s in servers if not s.sync), None)
+        if "needs a sync address" in str(e) and lacking and lacking != name:
+            raise ValueError(f"{e}: give it one first with 'mass-ctl kvcache allow {cfg.name} {lacking}=HOST:PORT "
+                             "--update' (its running service picks it up), then allow again") from None
+        raise
+    if index >= len(m.newest.areas):
+        raise NotAllowed(
+            f"store {cfg.name!r} has no spare area: its {len(m.newest.areas)} area(s) per device are all "
+            f"assigned. Give it the area of a denied server (--reuse NAME), or recreate the store with "
+            f"--area-size or --spare to leave room for more servers")
+    made = not spec.public_key
+    pub = spec.public_key or create_keypair(cfg.name, name, home)
+
+    def change(areas: list[Area]) -> list[Area]:
+        areas[index] = dataclasses.replace(areas[index], server=name, flags=0, sync=sync,
+                                           public_key=check_public_key(pub, name))
+        return areas
+
+    change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change)
+    local = load_local(cfg.name, home)
+    if events or metrics or name in local.hosted:
+        hosted = dict(local.hosted)
+        hosted[name] = {k: v for k, v in (("events", events), ("metrics", metrics)) if v}
+        local = dataclasses.replace(local, hosted={n: h for n, h in hosted.items() if h})
+        save_store(local, home)
+    return compose_store(local, home), index, made
+
+
+def deny_server(home: Path, cfg: StoreConfig, name: str) -> tuple[StoreConfig, int]:
+    """Flag ``name``'s area denied and drop its public key on every device, signed; delete
+    its key file here if there is one. Returns the new store and the area index.
+
+    Raises:
+        NotAllowed: unknown, already denied, the last allowed server, or no administrator key here.
+    """
+    index = cfg.server_index(name)
+    if cfg.servers[index].denied:
+        raise NotAllowed(f"server {name!r} is already denied on store {cfg.name!r}")
+    if len(cfg.allowed) == 1:
+        raise NotAllowed(f"server {name!r} is the last allowed server of store {cfg.name!r}: "
+                         "a store needs at least one")
+    admin = _admin(cfg, home)
+
+    def change(areas: list[Area]) -> list[Area]:
+        areas[index] = dataclasses.replace(areas[index], flags=AREA_DENIED, public_key=b"")
+        return areas
+
+    change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change)
+    key_path(cfg.name, name, home).unlink(missing_ok=True)
+    return compose_store(load_local(cfg.name, home), home), index
+
+
+def _admin(cfg: StoreConfig, home: Path) -> AdminKey:
+    try:
+        admin = AdminKey.load(admin_key_path(cfg.name, home))
+    except PermissionError as e:
+        raise NotAllowed(str(e)) from None
+    if admin.public.hex() != cfg.admin_key:
+        raise NotAllowed(f"the administrator key at {admin_key_path(cfg.name, home)} is not the one store "
+                         f"{cfg.name!r} trusts ({cfg.admin_key[:16]}...)")
+    return admin
+
+
+def find_devices(given: Sequence[str], store_uuid: bytes, count: int) -> list[str]:
+    """``given`` plus the store's other devices found beside them: for a block device, the
+    other block devices of this machine (/proc/partitions); for a file, the files in its
+    directory. Only superblocks are read (8 KiB each, O_DIRECT)."""
+    from .storage.device import read_superblock
+
+    found: dict[int, str] = {}
+    candidates: list[str] = list(given)
+    for g in given:
+        try:
+            mode = os.stat(g).st_mode
+        except OSError:
+            continue
+        if stat.S_ISBLK(mode):
+            try:
+                lines = Path("/proc/partitions").read_text().split("\n")[2:]
+            except OSError:
+                lines = []
+            candidates += [f"/dev/{ln.split()[3]}" for ln in lines if len(ln.split()) == 4]
+        elif stat.S_ISREG(mode):
+            candidates += sorted(str(p) for p in Path(g).resolve().parent.iterdir() if p.is_file())
+    for c in candidates:
+        if len(found) == count:
+            break
+        if c in found.values():
+            continue
+        try:
+            sb = read_superblock(c)
+        except (DeviceMismatch, OSError):
+            continue
+        if sb.store_uuid == store_uuid and sb.device_index not in found:
+            found[sb.device_index] = c
+    return [found[i] for i in sorted(found)]
+
+
+def join_store(home: Path, name: str, devices: Sequence[str], admin_key: str | None = None) -> tuple[
+        LocalConfig, Membership, bool]:
+    """Write this machine's config of store ``name`` from its devices (``connect --device``).
+
+    The administrator key is ``admin_key`` (hex) if given, else the one the devices name
+    (trusted on first use: the caller prints it). Returns the config, the membership, and
+    whether a new key was trusted.
+
+    Raises:
+        DeviceMismatch: the devices are not store ``name``'s, do not verify, or are incomplete.
+        ValueError: a malformed ``admin_key``.
+    """
+    pinned = bytes.fromhex(admin_key) if admin_key else None
+    if pinned is not None and len(pinned) != 32:
+        raise ValueError("--admin-key must be 64 hex characters (as 'mass-ctl kvcache show' prints)")
+    from .storage.device import read_superblock
+
+    first = read_superblock(devices[0])
+    if first.store_name != name:
+        raise DeviceMismatch(f"device {devices[0]} belongs to store {first.store_name!r}, not {name!r}")
+    paths = find_devices(devices, first.store_uuid, first.device_count) \
+        if len(devices) < first.device_count else list(devices)
+    m = read_membership(paths, store_uuid=first.store_uuid, admin_key=pinned)
+    try:
+        old: LocalConfig | None = load_local(name, home)
+    except StoreNotFound:
+        old = None
+    if old is not None and old.uuid != str(uuidlib.UUID(bytes=first.store_uuid)):
+        raise DeviceMismatch(f"this machine's config of store {name!r} ({store_path(name, home)}) is of another "
+                             "store (another uuid): remove it to join this one")
+    if old is not None and old.admin_key and old.admin_key != m.admin_key.hex():
+        raise DeviceMismatch(f"the devices are signed by {fingerprint(m.admin_key)[:16]}..., this machine trusts "
+                             f"{old.admin_key[:16]}...: refused")
+    base = old or LocalConfig(name=name, uuid=str(uuidlib.UUID(bytes=first.store_uuid)), devices=tuple(m.paths))
+    local = dataclasses.replace(base, devices=tuple(m.paths), admin_key=m.admin_key.hex())
+    save_store(local, home if home else mass_home())
+    return local, m, not (old and old.admin_key) and pinned is None
+
+
+__all__ = ["ServerSpec", "allow_server", "check_public_key", "create_store", "deny_server", "find_devices",
+           "join_store"]

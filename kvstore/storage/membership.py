@@ -1,0 +1,254 @@
+"""Membership on the devices: who owns which area, signed by the store's administrator.
+
+The superblock of every device carries the area table with each server's name,
+sync address, CurveZMQ public key and allowed/denied state, plus a store-wide
+``membership_gen`` (superblock.py). ``create``, ``allow`` and ``deny`` rewrite
+every device with the next ``membership_gen`` and sign each superblock with the
+administrator's Ed25519 key; every machine pins that key's public half at its
+first ``connect`` (or is given it) and from then on:
+
+* takes, per device, the newest copy whose checksum *and* signature hold (a torn
+  or forged copy is refused and the other copy, or the last good membership, stays);
+* takes the membership of the device with the highest ``membership_gen`` (a
+  change interrupted between devices is finished by the next change);
+* refuses a ``membership_gen`` lower than one it has already seen (a replayed old
+  superblock cannot allow a denied server again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+from ..errors import CorruptPage, DeviceMismatch
+from .device import device_size, open_direct, read_copies, write_superblock
+from .superblock import Area, Superblock
+
+
+class AdminKey:
+    """The administrator's Ed25519 signing key of one store (kept owner-only, never copied to
+    GPU servers: they hold only its public half)."""
+
+    def __init__(self, private: Ed25519PrivateKey) -> None:
+        self._key = private
+        self.public = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    @classmethod
+    def generate(cls) -> AdminKey:
+        """A new random key."""
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load(cls, path: Path) -> AdminKey:
+        """Read a key written by ``save``.
+
+        Raises:
+            PermissionError: no key file here (this machine does not administer the store).
+        """
+        try:
+            seed = bytes.fromhex(path.read_text().strip())
+        except FileNotFoundError:
+            raise PermissionError(f"no administrator key at {path}: allow and deny run on the machine that "
+                                  "created the store (or one given a copy of that file)") from None
+        except ValueError:
+            raise PermissionError(f"administrator key {path} is malformed") from None
+        if len(seed) != 32:
+            raise PermissionError(f"administrator key {path} is malformed")
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+
+    def save(self, path: Path) -> None:
+        """Write the key owner-only (0600), atomically."""
+        seed = self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(seed.hex() + "\n")
+        os.replace(tmp, path)
+
+    def sign(self, sb: Superblock) -> Superblock:
+        """``sb`` with this key as its admin key and a signature over it."""
+        sb = dataclasses.replace(sb, admin_key=self.public)
+        return dataclasses.replace(sb, signature=self._key.sign(sb.signed_bytes()))
+
+
+def signed_by(sb: Superblock, admin_key: bytes) -> bool:
+    """True if ``sb`` names ``admin_key`` and carries that key's valid signature."""
+    if sb.admin_key != admin_key:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(admin_key).verify(sb.signature, sb.signed_bytes())
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+def fingerprint(admin_key: bytes) -> str:
+    """The administrator key as printed and pinned: 64 hex characters."""
+    return admin_key.hex()
+
+
+@dataclass(frozen=True)
+class Member:
+    """One area's owner as the newest membership has it (spare areas are not members)."""
+
+    index: int
+    name: str
+    sync: str
+    public_key: bytes
+    denied: bool
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The store as its devices have it: each device's own verified superblock, and the
+    membership of the newest."""
+
+    sbs: tuple[Superblock, ...]
+    """Per device, in device-index order: its newest copy that verified."""
+    paths: tuple[str, ...]
+    """The device paths, in device-index order."""
+    gen: int
+    """The highest ``membership_gen`` among the devices: the membership in force."""
+    lagging: tuple[int, ...]
+    """Devices whose ``membership_gen`` is lower (a change interrupted part-way)."""
+    refused: tuple[str, ...]
+    """Why copies were refused (torn, forged, signed by another key): for the log."""
+
+    @property
+    def newest(self) -> Superblock:
+        """The superblock whose membership is in force."""
+        return max(self.sbs, key=lambda s: (s.membership_gen, -s.device_index))
+
+    @property
+    def admin_key(self) -> bytes:
+        return self.newest.admin_key
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        """Named areas in area order. Spare areas come only after the named ones."""
+        out = []
+        for i, a in enumerate(self.newest.areas):
+            if a.spare:
+                continue
+            out.append(Member(i, a.server, a.sync, a.public_key, a.denied))
+        return tuple(out)
+
+
+def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key: bytes | None,
+                    min_gen: int = 0) -> Membership:
+    """Read and verify a store's devices.
+
+    ``admin_key`` is the pinned administrator key; ``None`` trusts the key device 0 names
+    (a first connect: the caller pins what it gets). ``store_uuid`` ``None`` takes the
+    store of device 0. ``paths`` may come in any order; the result is in device order.
+
+    Raises:
+        DeviceMismatch: a device is unreadable, of another store, its copies all fail (torn,
+            forged, other key), devices disagree on the store's shape, one is missing or
+            twice, or the membership is older than ``min_gen`` (replayed).
+    """
+    found: dict[int, Superblock] = {}
+    where: dict[int, str] = {}
+    refused: list[str] = []
+    for p in paths:
+        fd = open_direct(p, writable=False)
+        try:
+            copies = read_copies(fd)
+        finally:
+            os.close(fd)
+        valid = [c for c in copies if isinstance(c, Superblock)]
+        if not valid:
+            raise DeviceMismatch(f"device {p} is not a kvstore device of this version ({copies[0]})")
+        if store_uuid is None:
+            store_uuid = max(valid, key=lambda s: s.generation).store_uuid
+        mine = [c for c in valid if c.store_uuid == store_uuid]
+        if not mine:
+            other = valid[0]
+            raise DeviceMismatch(f"device {p} belongs to store {other.store_name!r} ({other.store_uuid.hex()}), "
+                                 "not this one: check the device list")
+        if admin_key is None:  # first use: the key of the newest copy that verifies under its own key
+            selfsigned = [c for c in mine if signed_by(c, c.admin_key)] or mine
+            admin_key = max(selfsigned, key=lambda s: s.generation).admin_key
+        key = admin_key
+        good = []
+        for c in mine:
+            if signed_by(c, key):
+                good.append(c)
+            else:
+                refused.append(f"device {p}: a superblock copy (generation {c.generation}) is not signed by the "
+                               f"store's administrator key {fingerprint(key)[:16]}...: refused")
+        for bad in copies:
+            if isinstance(bad, CorruptPage):
+                refused.append(f"device {p}: a superblock copy is unreadable ({bad})")
+        if not good:
+            raise DeviceMismatch(f"device {p}: no superblock copy is signed by the store's administrator key "
+                                 f"{fingerprint(key)[:16]}... (a forged or foreign membership is refused)")
+        sb = max(good, key=lambda s: s.generation)
+        if sb.device_index in found:
+            raise DeviceMismatch(f"device {p} is device {sb.device_index} of the store, like another path given")
+        if device_size(p) < sb.device_size:
+            raise DeviceMismatch(f"device {p} shrank: {device_size(p)} bytes, formatted with {sb.device_size}")
+        found[sb.device_index] = sb
+        where[sb.device_index] = p
+    if not found:
+        raise DeviceMismatch("no device given")
+    first = next(iter(found.values()))
+    missing = [i for i in range(first.device_count) if i not in found]
+    if missing:
+        raise DeviceMismatch(f"store {first.store_name!r} has {first.device_count} devices; device(s) "
+                             f"{missing} not given (pass each with --device)")
+    sbs = tuple(found[i] for i in range(first.device_count))
+    for s in sbs:
+        if (s.page_size, s.device_count, len(s.areas), s.salt) != \
+                (first.page_size, first.device_count, len(first.areas), first.salt):
+            raise DeviceMismatch(f"devices of store {first.store_name!r} disagree on page size, device or area "
+                                 "count, or salt: were some formatted for another store of the same uuid?")
+    gen = max(s.membership_gen for s in sbs)
+    if gen < min_gen:
+        raise DeviceMismatch(f"the devices' membership (generation {gen}) is older than one this machine has "
+                             f"seen ({min_gen}): a replayed superblock is refused")
+    lagging = tuple(s.device_index for s in sbs if s.membership_gen < gen)
+    return Membership(sbs, tuple(where[i] for i in range(len(sbs))), gen, lagging, tuple(refused))
+
+
+def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKey,
+                      change: Callable[[list[Area]], list[Area]]) -> Membership:
+    """Apply ``change`` to the newest area table and write it, signed, to every device with
+    the next ``membership_gen`` (lagging devices are brought up to date by the same write).
+
+    ``change`` gets and returns the list of areas with the newest membership's names,
+    keys, addresses and flags; offsets and slot counts stay each device's own.
+
+    Raises:
+        DeviceMismatch: as ``read_membership``.
+        ValueError: ``change`` resized or moved an area.
+    """
+    cur = read_membership(paths, store_uuid=store_uuid, admin_key=admin.public)
+    gen = cur.gen + 1
+    before = list(cur.newest.areas)
+    after = change(list(before))
+    if len(after) != len(before) or any((a.offset, a.slot_count) != (b.offset, b.slot_count)
+                                        for a, b in zip(after, before)):
+        raise ValueError("a membership change may not add, move or resize areas")
+    after = [dataclasses.replace(a, changed_gen=gen) if _ident(a) != _ident(b) else a for a, b in zip(after, before)]
+    for path, sb in zip(cur.paths, cur.sbs):
+        areas = tuple(dataclasses.replace(mine, server=a.server, flags=a.flags, public_key=a.public_key, sync=a.sync,
+                                          changed_gen=a.changed_gen) for mine, a in zip(sb.areas, after))
+        new = admin.sign(dataclasses.replace(sb, generation=sb.generation + 1, membership_gen=gen, areas=areas))
+        write_superblock(path, new)
+    return read_membership(paths, store_uuid=store_uuid, admin_key=admin.public, min_gen=gen)
+
+
+def _ident(a: Area) -> tuple[str, int, bytes, str]:
+    return a.server, a.flags, a.public_key, a.sync
+
+
+__all__ = ["AdminKey", "Member", "Membership", "change_membership", "fingerprint", "read_membership", "signed_by"]

@@ -1,0 +1,135 @@
+"""The membership on the devices: signed, read across devices, torn/forged/replayed copies refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import DeviceMismatch
+from kvstore.storage.device import format_device, read_superblock, write_superblock
+from kvstore.storage.membership import AdminKey, change_membership, read_membership, signed_by
+from kvstore.storage.superblock import AREA_DENIED, COPY_OFFSETS, Area
+
+U = uuid.uuid4().bytes
+KEY_A, KEY_B = bytes([1] * 32), bytes([2] * 32)
+
+
+def store(tmp_path: Path, admin: AdminKey, devices: int = 2) -> list[str]:
+    paths = []
+    for i in range(devices):
+        p = tmp_path / f"d{i}"
+        with open(p, "wb") as f:
+            f.truncate(16 << 20)
+        format_device(str(p), store_uuid=U, store_name="s", page_size=1 << 16, device_index=i, device_count=devices,
+                      servers=[Area("a", 0, 0, 0, KEY_A, "127.0.0.1:7000"), Area("b", 0, 0, 0, KEY_B, "127.0.0.1:7002")],
+                      salt=b"x" * 32, sign=admin.sign, areas=3)
+        paths.append(str(p))
+    return paths
+
+
+def allow_c(areas: list[Area]) -> list[Area]:
+    areas[2] = dataclasses.replace(areas[2], server="c", public_key=bytes([3] * 32), sync="127.0.0.1:7004")
+    return areas
+
+
+def test_membership_is_read_from_the_devices_and_changed_on_all(tmp_path: Path) -> None:
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin)
+    m = read_membership(list(reversed(paths)), store_uuid=U, admin_key=admin.public)
+    assert m.paths == tuple(paths) and m.gen == 1 and not m.lagging and not m.refused
+    assert [(x.name, x.sync, x.public_key, x.denied) for x in m.members] == [
+        ("a", "127.0.0.1:7000", KEY_A, False), ("b", "127.0.0.1:7002", KEY_B, False)]
+    m2 = change_membership(paths, store_uuid=U, admin=admin, change=allow_c)
+    assert m2.gen == 2 and [x.name for x in m2.members] == ["a", "b", "c"]
+    assert all(sb.membership_gen == 2 and sb.areas[2].changed_gen == 2 and sb.areas[0].changed_gen == 1
+               for sb in m2.sbs)
+
+    def deny_b(areas: list[Area]) -> list[Area]:
+        areas[1] = dataclasses.replace(areas[1], flags=AREA_DENIED, public_key=b"")
+        return areas
+
+    m3 = change_membership(paths, store_uuid=U, admin=admin, change=deny_b)
+    assert m3.members[1].denied and m3.members[1].public_key == b""
+    # no resizing through a membership change
+    with pytest.raises(ValueError, match="add, move or resize"):
+        change_membership(paths, store_uuid=U, admin=admin,
+                          change=lambda a: [dataclasses.replace(a[0], slot_count=1)] + a[1:])
+
+
+def test_a_change_interrupted_between_devices_is_read_from_the_newest_and_finished_by_the_next(
+        tmp_path: Path) -> None:
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin)
+    old1 = read_superblock(paths[1])
+    change_membership(paths, store_uuid=U, admin=admin, change=allow_c)
+    write_superblock(paths[1], old1)  # as if the writer died after device 0
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public)
+    assert m.gen == 2 and m.lagging == (1,) and [x.name for x in m.members] == ["a", "b", "c"]
+    m = change_membership(paths, store_uuid=U, admin=admin, change=lambda a: a)
+    assert m.gen == 3 and not m.lagging
+
+
+def test_torn_copy_keeps_the_last_good_membership(tmp_path: Path) -> None:
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin, devices=1)
+    before = read_superblock(paths[0])
+    new = admin.sign(dataclasses.replace(before, generation=before.generation + 1, membership_gen=2,
+                                         areas=tuple(allow_c(list(before.areas)))))
+    data = new.encode()
+    with open(paths[0], "r+b") as f:  # copy A of the new membership written half-way, copy B not at all
+        f.seek(COPY_OFFSETS[0])
+        f.write(data[:4096])
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public)
+    assert m.gen == 1 and [x.name for x in m.members] == ["a", "b"]
+    assert any("unreadable" in r and "checksum" in r for r in m.refused)
+
+
+def test_forged_membership_is_refused(tmp_path: Path) -> None:
+    admin, mallory = AdminKey.generate(), AdminKey.generate()
+    paths = store(tmp_path, admin, devices=1)
+    sb = read_superblock(paths[0])
+    # a denied server allows itself again: a valid checksum, signed by its own key
+    forged = mallory.sign(dataclasses.replace(sb, generation=sb.generation + 1, membership_gen=9,
+                                              areas=tuple(allow_c(list(sb.areas)))))
+    assert not signed_by(forged, admin.public)
+    with open(paths[0], "r+b") as f:
+        f.seek(COPY_OFFSETS[0])
+        f.write(forged.encode())
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public)
+    assert m.gen == 1 and [x.name for x in m.members] == ["a", "b"]  # copy B, the real one
+    assert any("not signed by the store's administrator key" in r for r in m.refused)
+    # the same with the admin key named but the signature not its own (entry edited after signing)
+    tampered = dataclasses.replace(admin.sign(dataclasses.replace(sb, generation=sb.generation + 2)),
+                                   areas=tuple(allow_c(list(sb.areas))))
+    with open(paths[0], "r+b") as f:
+        f.seek(COPY_OFFSETS[1])
+        f.write(tampered.encode())
+    with pytest.raises(DeviceMismatch, match="no superblock copy is signed"):
+        read_membership(paths, store_uuid=U, admin_key=admin.public)
+    # a machine trusting on first use takes the key the devices name: the forger's here, which is why
+    # connect prints it and --admin-key pins it
+    assert read_membership(paths, store_uuid=U, admin_key=None).admin_key == mallory.public
+
+
+def test_replayed_older_membership_is_refused(tmp_path: Path) -> None:
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin, devices=1)
+    old = read_superblock(paths[0])
+    change_membership(paths, store_uuid=U, admin=admin, change=allow_c)
+    write_superblock(paths[0], old)  # a validly signed, older superblock written back
+    with pytest.raises(DeviceMismatch, match="older than one this machine has seen"):
+        read_membership(paths, store_uuid=U, admin_key=admin.public, min_gen=2)
+
+
+def test_devices_of_another_store_or_missing_ones_are_named(tmp_path: Path) -> None:
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin)
+    with pytest.raises(DeviceMismatch, match=r"device\(s\) \[1\] not given"):
+        read_membership(paths[:1], store_uuid=U, admin_key=admin.public)
+    with pytest.raises(DeviceMismatch, match="belongs to store"):
+        read_membership(paths, store_uuid=uuid.uuid4().bytes, admin_key=admin.public)
+    with pytest.raises(DeviceMismatch, match="like another path"):
+        read_membership([paths[0], paths[0]], store_uuid=U, admin_key=admin.public)
