@@ -416,8 +416,8 @@ def cmd_show(a: argparse.Namespace) -> int:
                     f"  (belongs to ANOTHER store: {sb.store_name!r})"
                 print(f"  device {i}: {d}  superblock generation {sb.generation}, membership generation "
                       f"{sb.membership_gen}{mark}")
-            except KVStoreError as e:
-                print(f"  device {i}: {d}  ERROR: {e}")
+            except KVStoreError as bad:
+                print(f"  device {i}: {d}  ERROR: {bad}")
         return EXIT_FAIL
     devices = []
     for i, d in enumerate(cfg.devices):
