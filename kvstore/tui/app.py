@@ -63,6 +63,7 @@ class DashboardApp(App[None]):
         self.interval = interval
         self.paused = False
         self.refreshes = 0
+        self._last: dict[str, dict[str, Any]] | None = None
         self.sub_title = f"store {source.store}"
 
     def compose(self) -> ComposeResult:
@@ -81,19 +82,30 @@ class DashboardApp(App[None]):
         self.action_refresh()
         self.set_interval(self.interval, self._tick)
 
+    def on_resize(self) -> None:
+        """Show the columns that fit the new width at once: the same snapshot, shown again."""
+        self.call_after_refresh(self._reshow)  # after the app has taken the new size
+
+    def _reshow(self) -> None:
+        if self._last is not None:
+            self._show(self._last)
+
     def _tick(self) -> None:
         if not self.paused:
             self.action_refresh()
 
     def action_refresh(self) -> None:
         """Take one snapshot and show it everywhere."""
-        snap: dict[str, dict[str, Any]] = self.source.snapshot()
+        self._last = self.source.snapshot()
+        self.refreshes += 1
+        self._show(self._last)
+
+    def _show(self, snap: dict[str, dict[str, Any]]) -> None:
         self.query_one(ServersTable).show(snap)
         self.query_one(DevicesTable).show(snap)
         self.query_one(Trend).show(snap)
         self.query_one(SyncTable).show(snap)
         self.query_one(WarningsPanel).show(snap)
-        self.refreshes += 1
         up = sum(1 for e in snap.values() if e["running"])
         state = "paused" if self.paused else "live"
         self.query_one("#status", Static).update(

@@ -47,11 +47,11 @@ async def test_keys_screens_and_values(size: tuple[int, int]) -> None:
     async with app.run_test(size=size) as pilot:
         table = app.query_one(ServersTable)
         assert table.row_count == 2
-        row_a = table.get_row("a")
-        assert row_a[1] == "up 11" and row_a[2] == "40/100" and row_a[4] == "50.0%"
-        assert table.get_row("b")[1] == "down"
+        assert [table.get_cell("a", c) for c in ("state", "own slots used", "hit rate")] == ["up 11", "40/100",
+                                                                                            "50.0%"]
+        assert table.get_cell("b", "state") == "down"
         await pilot.press("r")
-        assert app.query_one(ServersTable).get_row("a")[4] == "75.0%"  # 30 hits, 10 misses
+        assert app.query_one(ServersTable).get_cell("a", "hit rate") == "75.0%"  # 30 hits, 10 misses
         # 20 MiB more read over 20 s more of the service's clock
         assert str(app.query_one("#read-label", Label).render()) == "read (now 1.0 MiB/s)"
         await pilot.press("question_mark")
@@ -62,7 +62,7 @@ async def test_keys_screens_and_values(size: tuple[int, int]) -> None:
         assert app.paused
         status = str(app.query_one("#status").render())
         assert "1/2 servers up" in status and "paused" in status
-        assert app.query_one(SyncTable).get_row_at(0)[5] == "b 1.2/7"
+        assert app.query_one(SyncTable).get_cell("a", "peer lag (s/updates)") == "b 1.2/7"
         assert str(app.query_one(WarningsPanel).render()) == \
             "10:00:01 a warning: I/O worker lost; restarting (device=1)"
         await pilot.press("q")
@@ -84,8 +84,8 @@ async def test_live_source_shows_what_the_service_holds(home: Path, file_devices
     assert snap["local"]["stats"]["service"]["hits"] == 1
     app = DashboardApp(src, interval=60)
     async with app.run_test(size=(80, 24)):
-        row = app.query_one(ServersTable).get_row("local")
-        assert row[4] == "50.0%" and row[6] == "32.0 KiB"
+        t = app.query_one(ServersTable)
+        assert t.get_cell("local", "hit rate") == "50.0%" and t.get_cell("local", "written") == "32.0 KiB"
 
 
 async def test_live_peers_lag_and_warnings(home: Path, file_devices: Any, services: Any) -> None:
@@ -110,7 +110,7 @@ async def test_live_peers_lag_and_warnings(home: Path, file_devices: Any, servic
     assert snap["a"]["peers"]["b"]["heard_s"] < 5 and snap["a"]["peers"]["b"]["behind"] == 0
     app = DashboardApp(src, interval=60)
     async with app.run_test(size=(160, 48)):
-        assert app.query_one(SyncTable).get_row_at(0)[5].startswith("b ")
+        assert app.query_one(SyncTable).get_cell("a", "peer lag (s/updates)").startswith("b ")
         assert "client handshake dropped" in str(app.query_one(WarningsPanel).render())
     # every line of the service's log names its store and server, workers' and agent's too
     lines = [json.loads(x) for x in sa.log.read_text().splitlines() if x.startswith("{")]

@@ -20,6 +20,8 @@ class DevicesTable(SnapshotTable):
 
     COLUMNS = ("server", "dev", "area used", "reads", "writes", "r queue", "w queue", "read p50", "read p99",
                "write p99")
+    NARROW = ("server", "dev", "r queue", "w queue", "read p99")
+    MEDIUM = ("server", "dev", "area used", "reads", "writes", "r queue", "w queue", "read p99")
 
     def rows_of(self, name: str, e: dict[str, Any]) -> Iterable[tuple[str, ...]]:
         st = e.get("stats")

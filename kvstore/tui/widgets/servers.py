@@ -20,6 +20,7 @@ class ServersTable(SnapshotTable):
 
     COLUMNS = ("server", "state", "own slots used", "store slots used", "hit rate", "read", "written",
                "clients", "evictions", "faults")
+    NARROW = ("server", "state", "own slots used", "hit rate", "read", "written", "faults")
     KEYED = True
 
     def on_mount(self) -> None:  # Textual also runs SnapshotTable.on_mount (handlers run up the MRO)

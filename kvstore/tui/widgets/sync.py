@@ -16,6 +16,8 @@ class SyncTable(SnapshotTable):
     it announced that this server has not merged yet."""
 
     COLUMNS = ("server", "sent", "received", "merged", "rejected", "peer lag (s/updates)", "hints", "tenants")
+    NARROW = ("server", "received", "merged", "rejected", "peer lag (s/updates)")
+    KEYED = True
 
     def rows_of(self, name: str, e: dict[str, Any]) -> Iterable[tuple[str, ...]]:
         st = e.get("stats")
