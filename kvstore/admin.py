@@ -102,6 +102,7 @@ def create_store(home: Path, name: str, devices: Sequence[str], page_size: int, 
     from .storage.device import format_device
 
     check_name(name, "store")
+    devices = [os.path.abspath(d) for d in devices]  # the config is read from any working directory
     events, metrics = events or {}, metrics or {}
     unknown = (set(events) | set(metrics)) - {s.name for s in servers}
     if unknown:
@@ -289,6 +290,7 @@ def join_store(home: Path, name: str, devices: Sequence[str], admin_key: str | N
         DeviceMismatch: the devices are not store ``name``'s, do not verify, or are incomplete.
         ValueError: a malformed ``admin_key``.
     """
+    devices = [os.path.abspath(d) for d in devices]
     pinned = bytes.fromhex(admin_key) if admin_key else None
     if pinned is not None and len(pinned) != 32:
         raise ValueError("--admin-key must be 64 hex characters (as 'mass-ctl kvcache show' prints)")

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ._process import cli_command
 from ._units import format_size, parse_size
 from .config import (ServerConfig, StoreConfig, admin_key_path, check_address, check_name, check_page_size, key_path,
                      load_store, mass_home, run_dir, save_store, store_path)
@@ -225,6 +226,7 @@ def cmd_keygen(a: argparse.Namespace) -> int:
 
 def cmd_connect(a: argparse.Namespace) -> int:
     from .logging import configure_logging
+
     from .service.supervisor import serve
 
     home = mass_home()
@@ -251,10 +253,11 @@ def cmd_connect(a: argparse.Namespace) -> int:
         rd = run_dir(cfg.name, home)
         rd.mkdir(parents=True, exist_ok=True, mode=0o700)
         logp = rd / f"{server}.log"
+        argv, env, cwd = cli_command("kvcache", "connect", cfg.name, "--server", server,
+                                     env=dict(os.environ, MASS_HOME=str(home.resolve())))
         with open(logp, "ab") as logf:
-            p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "kvcache", "connect", cfg.name, "--server",
-                                  server], stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                 start_new_session=True, env=dict(os.environ, MASS_HOME=str(home)))
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env=env, cwd=cwd)
         deadline = time.monotonic() + 120
         while _running(cfg.name, server, home) != p.pid:
             if p.poll() is not None:

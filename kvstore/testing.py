@@ -10,12 +10,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._process import cli_command
 from .config import ServiceConfig, StoreConfig, SyncConfig, WorkerConfig, run_dir
 from .errors import KVStoreError
 from .shm.segment import leftovers, name_prefix
@@ -99,14 +99,14 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         """Start and wait until the service listens (raises ``KVStoreError`` with the log on failure)."""
-        env = dict(os.environ, MASS_HOME=str(self.home), PYTHONUNBUFFERED="1")
+        cmd, env, cwd = cli_command("kvcache", "connect", self.store, "--server", self.server, *self.args,
+                                    env=dict(os.environ, MASS_HOME=str(self.home.resolve()), PYTHONUNBUFFERED="1"))
         self._logf = open(self.log, "ab")
-        cmd = [sys.executable, "-m", "kvstore.cli", "kvcache", "connect", self.store, "--server", self.server, *self.args]
         if self.netns:  # `ip netns exec` execs the command: the pid stays the service's
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(
             cmd,
-            env=env, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            env=env, cwd=cwd, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout
         pidfile = run_dir(self.store, self.home) / f"{self.server}.pid"
         # ready = our child wrote its pid file (after listening); a stale socket of a

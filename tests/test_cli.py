@@ -241,3 +241,35 @@ def test_allow_into_a_single_server_store_needs_its_sync_address(env_home: Path,
     assert main(["kvcache", "allow", "one", "x=127.0.0.1:7000", "--update"]) == 0
     assert main(["kvcache", "allow", "one", "y=127.0.0.1:7002"]) == 0
     assert [(s.name, s.sync) for s in load_store("one").servers] == [("x", "127.0.0.1:7000"), ("y", "127.0.0.1:7002")]
+
+
+def test_a_checkout_in_the_current_directory_is_not_imported_by_children(env_home: Path, tmp_path: Path) -> None:
+    """A service started from inside a source checkout (no compiled I/O extension there) runs the
+    installed package in its children; started with 'python -m' from there, it says why it cannot."""
+    import shutil
+
+    import kvstore
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(kvstore.__file__).parent, checkout / "kvstore",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    assert create(env_home, "s1") == 0
+    mass_ctl = Path(sys.executable).parent / "mass-ctl"
+    assert mass_ctl.exists(), "the test runs in the project's environment, where mass-ctl is installed"
+    env = dict(os.environ, MASS_HOME=str(env_home))
+    r = subprocess.run([str(mass_ctl), "kvcache", "connect", "s1", "--daemon"], cwd=checkout, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr  # before: the daemon imported ./kvstore and died
+    try:
+        with KVCacheClient.connect("s1", home=env_home) as c:  # the I/O workers run: a page goes through
+            assert c.put([b"x"], [b"y" * c.page_size], wait=True).stored == 1
+            with c.get([b"x"]) as got:
+                assert got[0] is not None and bytes(got[0]) == b"y" * c.page_size
+        assert "ModuleNotFoundError" not in (env_home / "run" / "s1" / "local.log").read_text()
+    finally:
+        d = subprocess.run([str(mass_ctl), "kvcache", "disconnect", "s1"], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert d.returncode == 0, d.stderr
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "kvcache", "connect", "s1"], cwd=checkout, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "whose compiled I/O extension (kvstore.ioworkers._aio) is not built" in r.stderr

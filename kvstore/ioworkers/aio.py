@@ -12,7 +12,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ._aio import ffi, lib
+try:
+    from ._aio import ffi, lib
+except ModuleNotFoundError as e:  # a source tree that was never built, found before the installed package
+    if e.name != __package__ + "._aio":
+        raise
+    raise ModuleNotFoundError(
+        f"kvstore was imported from {os.path.dirname(os.path.dirname(__file__))}, whose compiled I/O extension "
+        "(kvstore.ioworkers._aio) is not built: a source checkout in the current directory, found first by "
+        "'python -m'? Run 'mass-ctl', or start from another directory, or build the checkout in place with "
+        "'pip install -e .'", name=e.name) from None
 
 OP_READ = 0
 OP_WRITE = 1
