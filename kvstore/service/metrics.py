@@ -57,7 +57,7 @@ GAUGES = {
     "own_slots": ("own_slots", "Slots in this server's areas"),
     "own_slots_valid": ("own_valid_slots", "This server's slots holding a valid page"),
     "pins": ("reads_in_flight_slots", "Slots with a read in flight"),
-    "config_generation": ("config_generation", "Superblock generation of the membership in use"),
+    "config_generation": ("config_generation", "Membership generation (of the superblocks) in use"),
 }
 DEVICE_COUNTERS = {
     "reads": ("device_reads", "Device reads completed"),

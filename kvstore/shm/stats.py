@@ -106,7 +106,7 @@ class ServiceCounters:
     hints_received: int = 0
     """Hit hints from peers (slots of ours they read), which keep those pages from early eviction."""
     config_generation: int = 0
-    """Superblock generation of the membership (allow/deny) the service runs with (gauge)."""
+    """Membership generation (superblocks, bumped by allow/deny) the service runs with (gauge)."""
     config_reloads: int = 0
     """Membership changes (allow/deny) applied while running."""
     areas_dropped: int = 0
