@@ -207,8 +207,8 @@ class Supervisor:
             m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes,
                                 admin_key=bytes.fromhex(cfg.admin_key) if cfg.admin_key else None,
                                 min_gen=cfg.membership_gen)
-            if m.gen != cfg.membership_gen:
-                raise KVStoreError("the store's membership changed while the service started: start it again")
+            # a change made since cfg was composed is applied by the watcher's first read (it only
+            # renames or flags areas: the layout taken from these superblocks is the same)
             for why in m.refused:
                 self.log.warning("superblock copy refused", reason=why)
             self.sbs = m.sbs

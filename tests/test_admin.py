@@ -1,0 +1,63 @@
+"""Naming servers with their own public keys: parsing, create/allow with keys, keygen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.utils.z85
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.admin import ServerSpec
+from kvstore.cli import main
+from kvstore.storage.device import read_superblock
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 65534), st.sampled_from(["127.0.0.1", "gpu-07.cluster", "[fd00::7]"]))
+def test_spec_with_a_key_round_trips_whatever_characters_the_key_has(port: int, host: str) -> None:
+    pub = zmq.curve_keypair()[0].decode()  # Z85: may contain ':' and '='
+    s = ServerSpec.parse(f"gpu7={host}:{port}:{pub}")
+    assert (s.name, s.sync, s.public_key) == ("gpu7", f"{host}:{port}", pub)
+    assert ServerSpec.parse(f"gpu7=:{pub}") == ServerSpec("gpu7", "", pub)
+    assert ServerSpec.parse(f"gpu7={host}:{port}", key=pub) == s
+
+
+def test_bad_specs_are_refused_with_what_is_wrong() -> None:
+    pub = zmq.curve_keypair()[0].decode()
+    for spec, msg in [("gpu7=127.0.0.1:7000:short", "expected NAME=HOST:PORT"),
+                      ("gpu7=127.0.0.1:99999", "is not HOST:PORT"),
+                      ("Bad=127.0.0.1:7000", "server name"),
+                      (f"gpu7=127.0.0.1:7000:{'~' * 40}", "is not a CurveZMQ public key")]:
+        with pytest.raises(ValueError, match=msg):
+            ServerSpec.parse(spec)
+    with pytest.raises(ValueError, match="two different public keys"):
+        ServerSpec.parse(f"gpu7=127.0.0.1:7000:{pub}", key=zmq.curve_keypair()[0].decode())
+
+
+def test_create_with_servers_own_keys_makes_no_keypair(home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MASS_HOME", str(home))
+    pa, pb = zmq.curve_keypair()[0].decode(), zmq.curve_keypair()[0].decode()
+    dev = str(home / "d.img")
+    assert main(["kvcache", "create", "s", "--device", dev, "--device-size", "16MiB", "--page-size", "64KiB",
+                 "--server", f"a=127.0.0.1:7000:{pa}", "--server", f"b=127.0.0.1:7002:{pb}"]) == 0
+    out = capsys.readouterr().out
+    assert "keypairs made here" not in out
+    assert not (home / "keys" / "s" / "a.key").exists() and not (home / "keys" / "s" / "b.key").exists()
+    sb = read_superblock(dev)
+    assert [(x.server, x.sync, x.public_key) for x in sb.areas] == [
+        ("a", "127.0.0.1:7000", zmq.utils.z85.decode(pa.encode())),
+        ("b", "127.0.0.1:7002", zmq.utils.z85.decode(pb.encode()))]
+    # keygen: made once, shown again, replaced only with --force
+    assert main(["kvcache", "keygen", "s", "--server", "a"]) == 0
+    first = capsys.readouterr().out
+    assert main(["kvcache", "keygen", "s", "--server", "a"]) == 0
+    again = capsys.readouterr().out
+    key = first.split("public key: ")[1].split()[0]
+    assert "already exists" in again and f"public key: {key}" in again
+    assert f"allow s a=HOST:PORT --key '{key}'" in first
+    assert main(["kvcache", "keygen", "s", "--server", "a", "--force"]) == 0
+    assert key not in capsys.readouterr().out
