@@ -48,8 +48,13 @@ def open_direct(path: str, writable: bool) -> int:
         raise DeviceMismatch(f"cannot open {path} with O_DIRECT: {e.strerror}") from None
 
 
-def read_copies(fd: int) -> list[Superblock | CorruptPage]:
-    """Both superblock copies of an open device, decoded, or why each is not valid."""
+def read_copies(path: str) -> list[Superblock | CorruptPage]:
+    """Both superblock copies of a device, decoded, or why each is not valid.
+
+    Raises:
+        DeviceMismatch: the device cannot be opened with O_DIRECT.
+    """
+    fd = open_direct(path, writable=False)
     buf = mmap.mmap(-1, SUPERBLOCK_SIZE)
     out: list[Superblock | CorruptPage] = []
     try:
@@ -61,7 +66,16 @@ def read_copies(fd: int) -> list[Superblock | CorruptPage]:
                 out.append(e)
     finally:
         buf.close()
+        os.close(fd)
     return out
+
+
+def valid_copies(path: str, copies: list[Superblock | CorruptPage]) -> list[Superblock]:
+    """The valid copies among ``copies`` of ``path``; raises ``DeviceMismatch`` if there is none."""
+    valid = [c for c in copies if isinstance(c, Superblock)]
+    if not valid:
+        raise DeviceMismatch(f"device {path} is not formatted for kvstore ({copies[0]})")
+    return valid
 
 
 def read_superblock(path: str) -> Superblock:
@@ -71,15 +85,7 @@ def read_superblock(path: str) -> Superblock:
     Raises:
         DeviceMismatch: neither copy is a valid kvstore superblock.
     """
-    fd = open_direct(path, writable=False)
-    try:
-        copies = read_copies(fd)
-    finally:
-        os.close(fd)
-    valid = [c for c in copies if isinstance(c, Superblock)]
-    if not valid:
-        raise DeviceMismatch(f"device {path} is not formatted for kvstore ({copies[0]})")
-    return max(valid, key=lambda s: s.generation)
+    return max(valid_copies(path, read_copies(path)), key=lambda s: s.generation)
 
 
 def write_superblock(path: str, sb: Superblock) -> None:
@@ -114,11 +120,7 @@ def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: i
         ValueError: the device is too small for the areas (see ``plan_areas``).
     """
     size = device_size(path)
-    fd = open_direct(path, writable=False)
-    try:
-        copies = read_copies(fd)
-    finally:
-        os.close(fd)
+    copies = read_copies(path)
     old = max((c for c in copies if isinstance(c, Superblock)), key=lambda c: c.generation, default=None)
     if not force:
         if old is not None:
@@ -140,5 +142,5 @@ def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: i
     return sb
 
 
-__all__ = ["Area", "device_size", "format_device", "open_direct", "read_copies", "read_superblock",
+__all__ = ["Area", "device_size", "format_device", "open_direct", "read_copies", "read_superblock", "valid_copies",
            "write_superblock"]

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from ..errors import CorruptPage, DeviceMismatch
-from .device import device_size, open_direct, read_copies, write_superblock
+from .device import device_size, valid_copies, read_copies, write_superblock
 from .superblock import Area, Superblock
 
 
@@ -159,14 +159,8 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
     where: dict[int, str] = {}
     refused: list[str] = []
     for p in paths:
-        fd = open_direct(p, writable=False)
-        try:
-            copies = read_copies(fd)
-        finally:
-            os.close(fd)
-        valid = [c for c in copies if isinstance(c, Superblock)]
-        if not valid:
-            raise DeviceMismatch(f"device {p} is not a kvstore device of this version ({copies[0]})")
+        copies = read_copies(p)
+        valid = valid_copies(p, copies)
         if store_uuid is None:
             store_uuid = max(valid, key=lambda s: s.generation).store_uuid
         mine = [c for c in valid if c.store_uuid == store_uuid]
