@@ -25,19 +25,16 @@ import signal
 import socket
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from ._process import cli_command
 from ._units import format_size, parse_size
-from .config import (ServerConfig, StoreConfig, admin_key_path, check_address, check_name, check_page_size, key_path,
-                     load_store, mass_home, run_dir, save_store, store_path)
+from .config import (MEMBERSHIP_POLL_S, ServerConfig, StoreConfig, admin_key_path, check_address, check_name,
+                     check_page_size, key_path, load_store, mass_home, run_dir, save_store, store_path)
 from .errors import AlreadyRunning, DeviceMismatch, KVStoreError, NotAllowed, StoreNotFound
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
-#: How often a running service re-reads the superblocks for allow/deny (service/membership.py).
-MEMBERSHIP_POLL_S = 1.0
 
 
 def _err(msg: str) -> None:

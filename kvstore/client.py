@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import os
 import select
 import socket
 import threading

@@ -45,6 +45,9 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 MIN_PAGE_SIZE = 4096
 MAX_PAGE_SIZE = 64 << 20
 MAX_SERVERS = 48
+#: Seconds between two reads of the superblocks by a running service (service/membership.py):
+#: the latency of an allow/deny made on another machine.
+MEMBERSHIP_POLL_S = 1.0
 
 
 def mass_home() -> Path:
@@ -551,11 +554,14 @@ def compose_store(local: LocalConfig, home: Path | None = None) -> StoreConfig:
 
 def compose_membership(local: LocalConfig, home: Path | None = None) -> tuple[StoreConfig, Membership]:
     """``compose_store``, and the membership as read (each device's superblock)."""
+    from .errors import DeviceMismatch
     from .storage.membership import read_membership
 
+    if not local.admin_key:  # never trust whatever key the devices name, except at an explicit join
+        raise DeviceMismatch(f"{store_path(local.name, home)} pins no administrator key: join the store with "
+                             f"'mass-ctl kvcache connect {local.name} --device PATH [--admin-key HEX]'")
     m = read_membership(local.devices, store_uuid=uuidlib.UUID(local.uuid).bytes,
-                        admin_key=bytes.fromhex(local.admin_key) if local.admin_key else None,
-                        min_gen=seen_membership(local.name, local.uuid, home))
+                        admin_key=bytes.fromhex(local.admin_key), min_gen=seen_membership(local.name, local.uuid, home))
     note_membership(local.name, local.uuid, m.gen, home)
     import zmq.utils.z85
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 
 from kvstore import KVCacheClient
 from kvstore.cli import main
-from kvstore.config import load_store, save_store
+from kvstore.config import load_store
 
 
 def run(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -16,12 +16,9 @@ import os
 import threading
 from pathlib import Path
 
-from ..config import StoreConfig, compose_membership, load_local, store_path
+from ..config import MEMBERSHIP_POLL_S, StoreConfig, compose_membership, load_local, store_path
 from ..errors import KVStoreError
 from ..storage.membership import Membership
-
-#: Seconds between two reads of the superblocks (the latency of an allow/deny made elsewhere).
-MEMBERSHIP_POLL_S = 1.0
 
 Update = tuple[StoreConfig, Membership]
 

@@ -41,7 +41,7 @@ import posix_ipc
 import structlog
 
 from ..config import StoreConfig, mass_home, run_dir
-from ..errors import AlreadyRunning, KVStoreError
+from ..errors import AlreadyRunning, KVStoreError, NotAllowed
 from ..logging import recent_warnings
 from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_IO_ERROR, ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
@@ -460,8 +460,13 @@ class Supervisor:
     def _spawn_agent(self) -> None:
         cfg = self.cfg
         me = cfg.servers[self.area]
-        public, secret = keypair_for(cfg.name, me.public_key.encode(), self.home) if me.public_key \
-            else load_keypair(cfg.name, self.server, self.home)
+        try:
+            public, secret = keypair_for(cfg.name, me.public_key.encode(), self.home) if me.public_key \
+                else load_keypair(cfg.name, self.server, self.home)
+        except NotAllowed as e:  # the administrator gave this server a key this machine does not hold
+            self.log.error("this server's key is not on this machine; stopping", error=str(e))
+            self.stop = True
+            return
         # the membership the new agent serves is the one the supervisor merges for
         assert self.sync is not None
         self.sync.denied[:len(cfg.servers)] = [s.denied for s in cfg.servers]
