@@ -1,0 +1,344 @@
+"""LMCache L2 adapter: LMCache's multiprocess server keeps its L2 tier in a kvstore store.
+
+Load it through LMCache's plugin adapter (tested with LMCache 0.5.6)::
+
+    lmcache server ... --l2-adapter '{"type": "plugin", "module_path": "kvstore.engines.lmcache",
+        "class_name": "KVStoreL2Adapter", "adapter_params": {"store": "demo"}}'
+
+``adapter_params``: ``store`` (required), ``server`` (which local service, if several
+run here), ``mass_home`` (default: ``MASS_HOME``), ``tenant`` (a tenant this process's
+user is mapped to, see ``[tenants]``), ``timeout_s`` (per kvstore call, default 30).
+
+Keys. An LMCache object (``ObjectKey``: model, KV rank, object group, cache salt,
+chunk hash) of ``size`` bytes is stored as ``ceil(size / page_size)`` pages under
+``b"lmcache-l2\\0" + msgpack([model, rank, group, salt, chunk_hash, size]) + page index``,
+in the connection's tenant key space. The object's byte size is part of the key, so a
+load into a buffer of another layout can never match (it is a miss, never other bytes).
+A lookup knows the size from LMCache's layout description of the object group, or, when
+that is absent or empty (LMCache's own benchmark passes a placeholder), from the objects
+of that group stored or loaded by this process; a lookup answer that is wrong because of
+it only makes a load miss.
+
+Locks. ``submit_lookup_and_lock_task`` pins the found pages that this server holds
+(kvstore pins: never evicted while pinned), counted per object so that nested locks
+work; ``submit_unlock`` unpins at the last unlock, and ``close`` unpins what is left.
+Pages held in other servers' areas cannot be pinned from here: their owners keep them
+through the retire grace and hit hints, and a load of one retired meanwhile is a miss.
+
+Tasks run on two threads, each with its own kvstore connection: stores on one, lookups,
+loads and unlocks on the other, so loads never queue behind stores. Completion is
+signalled through three event fds as LMCache's controllers expect. A task that fails
+(the service restarting, a timeout) completes as failed; the threads live on and
+reconnect for the next task.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from ..client import KVCacheClient
+from ..errors import KVStoreError, QuotaExceeded
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.platform import create_event_notifier
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = b"lmcache-l2\0"
+#: Tasks waiting per thread; a submit beyond it completes at once as failed (never blocks LMCache).
+QUEUE_DEPTH = 1024
+
+
+def object_size(layout: Any) -> int:
+    """Bytes of an object of ``layout`` (a ``MemoryLayoutDesc``); 0 if it names no tensor."""
+    total = 0
+    for shape, dtype in zip(getattr(layout, "shapes", ()) or (), getattr(layout, "dtypes", ()) or ()):
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * dtype.itemsize
+    return total
+
+
+def page_keys(key: Any, size: int, page_size: int) -> list[bytes]:
+    """The kvstore page keys of LMCache object ``key`` of ``size`` bytes."""
+    base = NAMESPACE + msgpack.packb([key.model_name, int(key.kv_rank), int(key.object_group_id),
+                                      key.cache_salt, bytes(key.chunk_hash), int(size)])
+    return [base + i.to_bytes(4, "little") for i in range(max(1, -(-size // page_size)))]
+
+
+class _Lane(threading.Thread):
+    """One thread with its own kvstore connection, running submitted tasks in order."""
+
+    def __init__(self, name: str, connect: Callable[[], KVCacheClient]) -> None:
+        super().__init__(name=name, daemon=True)
+        self._connect = connect
+        self._client: KVCacheClient | None = None
+        self.tasks: queue.Queue[Callable[[KVCacheClient], None] | None] = queue.Queue(QUEUE_DEPTH)
+
+    def client(self) -> KVCacheClient:
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
+
+    def run(self) -> None:
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                break
+            try:
+                task(self.client())
+            except Exception:  # the task has completed itself as failed; reconnect for the next
+                log.exception("kvstore L2 adapter task failed")
+                self._drop()
+        self._drop()
+
+    def _drop(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except KVStoreError:
+                pass
+            self._client = None
+
+
+class KVStoreL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter over a local kvstore service (see the module docstring)."""
+
+    def __init__(self, params: dict[str, Any], l1_memory_desc: Any = None) -> None:
+        super().__init__(max_capacity_bytes=0)
+        if not isinstance(params, dict) or not isinstance(params.get("store"), str):
+            raise ValueError('kvstore L2 adapter: adapter_params must name the store: {"store": "NAME"}')
+        unknown = set(params) - {"store", "server", "mass_home", "tenant", "timeout_s"}
+        if unknown:
+            raise ValueError(f"kvstore L2 adapter: unknown adapter_params {sorted(unknown)}")
+        self._params = dict(params)
+        timeout = float(params.get("timeout_s", 30.0))
+
+        def connect() -> KVCacheClient:
+            home = params.get("mass_home")
+            return KVCacheClient.connect(params["store"], server=params.get("server"),
+                                         home=Path(home) if home else None, timeout=timeout,
+                                         tenant=params.get("tenant", ""))
+
+        probe = connect()  # fail at start, with kvstore's reason, if the service is not there
+        self.page_size = probe.page_size
+        probe.close()
+        self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stores: dict[int, Any] = {}
+        self._lookups: dict[int, Any] = {}
+        self._loads: dict[int, Any] = {}
+        self._locks: dict[Any, tuple[int, list[bytes]]] = {}  # object -> (lock count, pinned page keys)
+        self._sizes: dict[int, int] = {}  # object group -> byte size seen in stores and loads
+        self._writer = _Lane("kvstore-l2-store", connect)
+        self._reader = _Lane("kvstore-l2-read", connect)
+        self._writer.start()
+        self._reader.start()
+
+    # ---- event fds -------------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return int(self._efd["store"].fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._efd["lookup"].fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._efd["load"].fileno())
+
+    def _done(self, kind: str, table: dict[int, Any], task_id: int, result: Any) -> None:
+        with self._lock:
+            table[task_id] = result
+        self._efd[kind].notify()
+
+    def _submit(self, lane: _Lane, kind: str, table: dict[int, Any], failed: Callable[[], Any],
+                body: Callable[[KVCacheClient], Any]) -> int:
+        task_id = next(self._ids)
+
+        def task(c: KVCacheClient) -> None:
+            try:
+                result = body(c)
+            except Exception:
+                self._done(kind, table, task_id, failed())
+                raise
+            self._done(kind, table, task_id, result)
+
+        try:
+            lane.tasks.put_nowait(task)
+        except queue.Full:
+            log.warning("kvstore L2 adapter: %d tasks queued; failing a %s task", QUEUE_DEPTH, kind)
+            self._done(kind, table, task_id, failed())
+        return task_id
+
+    # ---- store -----------------------------------------------------------------------------
+    def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        for k, o in zip(keys, objects):
+            self._sizes[int(k.object_group_id)] = int(o.get_size())
+        return self._submit(self._writer, "store", self._stores, lambda: L2StoreResult(False, 0),
+                            lambda c: self._store(c, keys, objects))
+
+    def _store(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
+        ps = self.page_size
+        pkeys: list[bytes] = []
+        pages: list[Any] = []
+        for key, obj in zip(keys, objects):
+            size = int(obj.get_size())
+            data = memoryview(obj.byte_array).cast("B")[:size]
+            for i, pk in enumerate(page_keys(key, size, ps)):
+                piece = data[i * ps:(i + 1) * ps]
+                if len(piece) < ps:  # the object's last page: padded (its size is in the key)
+                    padded = bytearray(ps)
+                    padded[:len(piece)] = piece
+                    piece = memoryview(padded)
+                pkeys.append(pk)
+                pages.append(piece)
+        r = c.put(pkeys, pages, wait=True)
+        ok = r.dropped == 0 and r.stored + r.skipped == len(pkeys)
+        sizes = [int(o.get_size()) for o in objects]
+        if ok:
+            self._notify_keys_stored(list(keys), sizes)
+        return L2StoreResult(ok, sum(sizes) if ok else 0)
+
+    def pop_completed_store_tasks(self) -> dict[int, Any]:
+        with self._lock:
+            done, self._stores = self._stores, {}
+        return done
+
+    # ---- lookup and lock -------------------------------------------------------------------
+    def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: dict[int, Any]) -> int:
+        sizes = []
+        for k in keys:
+            g = int(k.object_group_id)
+            size = object_size(group_layout_descs.get(g)) if group_layout_descs else 0
+            sizes.append(size or self._sizes.get(g, 0))
+        return self._submit(self._reader, "lookup", self._lookups, lambda: Bitmap(len(keys)),
+                            lambda c: self._lookup_and_lock(c, keys, sizes))
+
+    def _lookup_and_lock(self, c: KVCacheClient, keys: Sequence[Any], sizes: Sequence[int]) -> Any:
+        found = Bitmap(len(keys))
+        per = [page_keys(k, s, self.page_size) if s else [] for k, s in zip(keys, sizes)]
+        flat = [pk for ks in per for pk in ks]
+        have = iter(c.contains(flat)) if flat else iter(())
+        to_pin: list[bytes] = []
+        for i, (k, ks) in enumerate(zip(keys, per)):
+            hit = bool(ks) and all([next(have) for _ in ks])
+            if not hit:
+                continue
+            found.set(i)
+            with self._lock:
+                n, pinned = self._locks.get(k, (0, ks))
+                self._locks[k] = (n + 1, pinned)
+            if n == 0:
+                to_pin += ks
+        if to_pin:
+            try:
+                c.pin(to_pin)  # pages in other servers' areas are not pinned here (see the docstring)
+            except QuotaExceeded as e:
+                log.warning("kvstore L2 adapter: %s", e)
+        return found
+
+    def query_lookup_and_lock_result(self, task_id: int) -> Any:
+        with self._lock:
+            return self._lookups.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[Any]) -> None:
+        release: list[bytes] = []
+        with self._lock:
+            for k in keys:
+                if k not in self._locks:
+                    continue
+                n, pinned = self._locks[k]
+                if n <= 1:
+                    del self._locks[k]
+                    release += pinned
+                else:
+                    self._locks[k] = (n - 1, pinned)
+        if release:
+            self._unpin(release)
+
+    def _unpin(self, pkeys: list[bytes]) -> None:
+        def task(c: KVCacheClient) -> None:
+            c.unpin(pkeys)
+
+        try:  # must not be lost: on a full queue, unpin on a connection of its own
+            self._reader.tasks.put_nowait(task)
+        except queue.Full:
+            with self._reader._connect() as c:
+                task(c)
+
+    # ---- load ------------------------------------------------------------------------------
+    def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        for k, o in zip(keys, objects):
+            self._sizes[int(k.object_group_id)] = int(o.get_size())
+        return self._submit(self._reader, "load", self._loads, lambda: Bitmap(len(keys)),
+                            lambda c: self._load(c, keys, objects))
+
+    def _load(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
+        ps = self.page_size
+        loaded = Bitmap(len(keys))
+        accessed = []
+        for i, (key, obj) in enumerate(zip(keys, objects)):
+            size = int(obj.get_size())
+            ks = page_keys(key, size, ps)
+            dst = memoryview(obj.byte_array).cast("B")[:size]
+            ok = True
+            for s in range(0, len(ks), c.max_batch):
+                part = ks[s:s + c.max_batch]
+                with c.get(part) as views:
+                    if any(v is None for v in views):
+                        ok = False
+                        break
+                    for j, v in enumerate(views):
+                        assert v is not None
+                        off = (s + j) * ps
+                        n = min(ps, size - off)
+                        dst[off:off + n] = v[:n]
+            if ok:  # a partly filled buffer is reported failed: LMCache recomputes it
+                loaded.set(i)
+                accessed.append(key)
+        if accessed:
+            self._notify_keys_accessed(accessed)
+        return loaded
+
+    def query_load_result(self, task_id: int) -> Any:
+        with self._lock:
+            return self._loads.pop(task_id, None)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            left = [pk for _, pinned in self._locks.values() for pk in pinned]
+            self._locks.clear()
+        if left:
+            self._unpin(left)
+        for lane in (self._writer, self._reader):
+            lane.tasks.put(None, timeout=30)
+        for lane in (self._writer, self._reader):
+            lane.join(30)
+        for e in self._efd.values():
+            e.close()
+
+    def report_status(self) -> dict[str, Any]:
+        with self._lock:
+            locked = len(self._locks)
+        return {"is_healthy": self._writer.is_alive() and self._reader.is_alive(), "type": "KVStoreL2Adapter",
+                "store": self._params["store"], "page_size": self.page_size, "locked_objects": locked,
+                "store_queue": self._writer.tasks.qsize(), "read_queue": self._reader.tasks.qsize()}
+
+
+__all__ = ["KVStoreL2Adapter", "object_size", "page_keys"]
