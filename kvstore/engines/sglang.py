@@ -1,0 +1,245 @@
+"""SGLang HiCache storage backend: SGLang's L3 tier in a kvstore store (tested with SGLang 0.5.23).
+
+Start SGLang with::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstore", "module_path": "kvstore.engines.sglang",
+        "class_name": "KVStoreHiCacheStorage", "interface_v1": 1, "store": "demo"}'
+
+Extra config: ``store`` (required), ``server`` (which local service, if several run
+here), ``mass_home`` (default ``MASS_HOME``), ``tenant``, ``timeout_s`` (per call, 30).
+
+Pages. One SGLang page (``page_size`` tokens of every layer, K and V) is one kvstore
+page: the store's page size must hold it (checked when the host pool is registered,
+with the size needed in the error). ``batch_set_v1``/``batch_get_v1`` copy between the
+host pool's memory (``get_page_buffer_meta``: the K and V pieces of each page) and the
+store, without intermediate tensors; ``batch_exists`` is one local lookup with prefix
+semantics.
+
+Keys. SGLang's page hashes are chained over the prefix. The kvstore key is that hash
+under a prefix naming the model, the rank fields that change what a page holds (TP
+rank and size unless MLA, PP, context parallel, DCP), the host pool's class, layout,
+dtype and per-page byte sizes: pages of incompatible layouts never share keys.
+
+Tenants. SGLang's L3 keys do not carry the request's ``cache_salt`` (sglang#37160):
+every request of one SGLang server shares the key space of the tenant this backend
+connects as (``tenant`` in the extra config, granted from the SGLang process's Unix
+user; see ``[tenants]``). Give servers whose users must not share KV different tenants.
+
+``clear`` does nothing: kvstore reuses space by retiring the least used pages; there
+is no bulk delete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from ..client import KVCacheClient
+from ..errors import KVStoreError
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = b"sglang-hicache\0"
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):
+    """A ``HiCacheStorage`` over the local kvstore service (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if not isinstance(extra.get("store"), str):
+            raise ValueError('kvstore HiCache backend: the extra config must name the store: "store": "NAME"')
+        self.config = storage_config
+        self._store = extra["store"]
+        self._server = extra.get("server")
+        self._home = Path(extra["mass_home"]) if extra.get("mass_home") else None
+        self._tenant = str(extra.get("tenant", ""))
+        self._timeout = float(extra.get("timeout_s", 30.0))
+        self._local = threading.local()
+        self._clients: list[KVCacheClient] = []
+        self._clients_lock = threading.Lock()
+        self.page_bytes = self._client().page_size  # fails at start, with kvstore's reason, if no service
+        self._prefix = b""
+        self.mem_pool_host: Any = None
+
+    # ---- connections: one per calling thread (SGLang's prefetch and backup threads) ------------
+    def _client(self) -> KVCacheClient:
+        c: KVCacheClient | None = getattr(self._local, "client", None)
+        if c is None:
+            c = KVCacheClient.connect(self._store, server=self._server, home=self._home, timeout=self._timeout,
+                                      tenant=self._tenant)
+            self._local.client = c
+            with self._clients_lock:
+                self._clients.append(c)
+        return c
+
+    def _reset(self) -> None:
+        c = getattr(self._local, "client", None)
+        self._local.client = None
+        if c is not None:
+            try:
+                c.close()
+            except KVStoreError:
+                pass
+
+    # ---- host pool -------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        tokens = int(mem_pool_host.page_size)
+        _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(tokens))
+        need = int(sum(sizes))
+        if need > self.page_bytes:
+            raise ValueError(f"kvstore HiCache backend: one SGLang page ({tokens} tokens) is {need} bytes, but store "
+                             f"{self._store!r} has {self.page_bytes}-byte pages: create a store with --page-size "
+                             f">= {need} (a multiple of 4 KiB)")
+        self.tokens_per_page = tokens
+        cfg = self.config
+        ranks = [] if cfg.is_mla_model else [cfg.tp_rank, cfg.tp_size]
+        self._prefix = NAMESPACE + msgpack.packb([
+            cfg.model_name or "", bool(cfg.is_mla_model), ranks, cfg.pp_rank, cfg.pp_size, cfg.attn_cp_rank,
+            cfg.attn_cp_size, getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1),
+            type(mem_pool_host).__name__, str(mem_pool_host.layout), str(mem_pool_host.dtype), tokens,
+            [int(s) for s in sizes]]) + b"\0"
+
+    def _keys(self, keys: list[str]) -> list[bytes]:
+        if not self._prefix:
+            raise RuntimeError("kvstore HiCache backend: no host pool registered yet")
+        return [self._prefix + k.encode() for k in keys]
+
+    def _pieces(self, host_indices: torch.Tensor, n: int) -> list[list[tuple[int, int]]]:
+        """Per page: (address, bytes) of its pieces in the host pool."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices[:n * self.tokens_per_page])
+        per = len(ptrs) // n
+        return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(n)]
+
+    # ---- zero-copy path (interface_v1) -----------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        try:
+            return self._client().lookup(self._keys(keys))
+        except KVStoreError as e:
+            log.warning("kvstore HiCache backend: lookup failed: %s", e)
+            self._reset()
+            return 0
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        pages = []
+        for pieces in self._pieces(host_indices, len(keys)):
+            page = np.zeros(self.page_bytes, np.uint8)
+            off, base = 0, page.ctypes.data
+            for addr, size in pieces:
+                ctypes.memmove(base + off, addr, size)
+                off += size
+            pages.append(page)
+        try:
+            c = self._client()
+            r = c.put(self._keys(keys), pages, wait=True)
+            if r.dropped == 0 and r.stored + r.skipped == len(keys):
+                return [True] * len(keys)
+            return c.contains(self._keys(keys))  # some were dropped: say which are there
+        except KVStoreError as e:
+            log.warning("kvstore HiCache backend: write-back failed: %s", e)
+            self._reset()
+            return [False] * len(keys)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        out = [False] * len(keys)
+        targets = self._pieces(host_indices, len(keys))
+        pkeys = self._keys(keys)
+        try:
+            c = self._client()
+            for s in range(0, len(keys), c.max_batch):
+                with c.get(pkeys[s:s + c.max_batch]) as views:
+                    for j, v in enumerate(views):
+                        if v is None:
+                            continue
+                        src = np.frombuffer(v, np.uint8).ctypes.data
+                        off = 0
+                        for addr, size in targets[s + j]:
+                            ctypes.memmove(addr, src + off, size)
+                            off += size
+                        out[s + j] = True
+        except KVStoreError as e:
+            log.warning("kvstore HiCache backend: prefetch failed: %s", e)
+            self._reset()
+        return out
+
+    # ---- the older tensor-per-page interface --------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        pages = []
+        for v in values or []:
+            raw = v.contiguous().view(torch.uint8).numpy().reshape(-1)
+            if raw.nbytes > self.page_bytes:
+                log.warning("kvstore HiCache backend: a %d-byte value exceeds the store's page size", raw.nbytes)
+                return False
+            page = np.zeros(self.page_bytes, np.uint8)
+            page[:raw.nbytes] = raw
+            pages.append(page)
+        try:
+            r = self._client().put(self._keys(keys), pages, wait=True)
+        except KVStoreError as e:
+            log.warning("kvstore HiCache backend: set failed: %s", e)
+            self._reset()
+            return False
+        return r.dropped == 0 and r.stored + r.skipped == len(keys)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        got = self.batch_get([key], [target_location])
+        return got[0] if isinstance(got, list) else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        out: list[Any] = [None] * len(keys)
+        targets = list(target_locations or [None] * len(keys))
+        try:
+            c = self._client()
+            pkeys = self._keys(keys)
+            for s in range(0, len(keys), c.max_batch):
+                with c.get(pkeys[s:s + c.max_batch]) as views:
+                    for j, v in enumerate(views):
+                        if v is None:
+                            continue
+                        t = targets[s + j]
+                        if t is None:
+                            continue  # nowhere to put it: SGLang always passes a target
+                        dst = t.view(torch.uint8).reshape(-1)
+                        dst.copy_(torch.from_numpy(np.frombuffer(v, np.uint8)[:dst.numel()].copy()))
+                        out[s + j] = t
+        except KVStoreError as e:
+            log.warning("kvstore HiCache backend: get failed: %s", e)
+            self._reset()
+        return out
+
+    def clear(self) -> None:
+        """Nothing to do: see the module docstring."""
+
+    def close(self) -> None:
+        with self._clients_lock:
+            clients, self._clients = self._clients, []
+        for c in clients:
+            try:
+                c.close()
+            except KVStoreError:
+                pass
+
+
+__all__ = ["KVStoreHiCacheStorage"]

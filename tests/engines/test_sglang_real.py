@@ -1,0 +1,71 @@
+"""The SGLang HiCache backend inside SGLang's own storage layer (0.5.23, in .venv-sglang).
+
+A full SGLang server does not run on these machines (its kernel package has CUDA builds
+only), so the parts HiCache's storage path uses run for real on the CPU, in SGLang's
+environment (``sglang_roundtrip.py``): its KV pool and host pool, its backend factory
+loading the plugin ("dynamic"), and the v1 zero-copy calls HiCache's controller makes.
+Two kvstore services of one store stand for two GPU servers: what one writes, the other
+reads back byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.testing import free_port_pair, make_store, wait_for
+
+pytestmark = [pytest.mark.sglang, pytest.mark.integration]
+
+ROOT = Path(__file__).parents[2]
+VENV = Path(os.environ.get("KVSTORE_SGLANG_VENV", ROOT / ".venv-sglang"))
+PYTHON = VENV / "bin" / "python"
+SCRIPT = Path(__file__).with_name("sglang_roundtrip.py")
+
+if not PYTHON.exists():
+    if os.environ.get("CI"):  # CI sets it up (scripts/setup): missing there is a failure, not a skip
+        raise RuntimeError(f"{PYTHON} is missing: scripts/setup makes it (unless KVSTORE_SGLANG=none)")
+    pytest.skip(f"SGLang environment not set up ({VENV}; run scripts/setup)", allow_module_level=True)
+
+
+def roundtrip(home: Path, mode: str, server: str, store: str = "sg", pages: int = 40) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(PYTHON), str(SCRIPT), mode, "--store", store, "--server", server, "--home", str(home),
+                           "--pages", str(pages)], capture_output=True, text=True, timeout=300, cwd="/",
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def result(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def test_sglang_pages_written_on_one_server_are_read_back_exactly_on_another(home: Path, file_devices: Any,
+                                                                              services: Any) -> None:
+    devs = file_devices.make(1, (1 << 20) + 2 * 200 * (4096 + (64 << 10)))
+    make_store(home, "sg", devs, 64 << 10, [f"a=127.0.0.1:{free_port_pair()}", f"b=127.0.0.1:{free_port_pair()}"])
+    services(home, "sg", "a")
+    services(home, "sg", "b")
+    w = result(roundtrip(home, "write", "a"))
+    assert w["backend"] == "KVStoreHiCacheStorage"  # SGLang's factory built ours
+    assert w["exists_before"] == 0 and w["set"] == [True] * 40 and w["exists_after"] == 40
+
+    def read_on_b() -> dict[str, Any]:
+        return result(roundtrip(home, "read", "b"))
+
+    got: dict[str, Any] = {}
+    assert wait_for(lambda: got.update(read_on_b()) or got["exists"] == 40, 30, 0.5)  # replication to b
+    assert got["got"] == [True] * 40
+    assert got["digests"] == w["digests"]  # byte-exact, page by page, in a fresh host pool
+    assert got["exists_with_gap"] == 20  # leading hits only: a missing page ends the prefix
+    assert got["exists_other_layout"] == 0 and got["exists_other_model"] == 0  # other layouts, other key space
+    # a store whose pages cannot hold one SGLang page is refused at registration, with the size needed
+    small = file_devices.make(1, (1 << 20) + 64 * (4096 + (16 << 10)))
+    make_store(home, "tiny", small, 16 << 10, ["c"])
+    services(home, "tiny", "c")
+    r = roundtrip(home, "write", "c", store="tiny", pages=2)
+    assert r.returncode != 0 and "create a store with --page-size >= 32768" in r.stderr, r.stderr[-3000:]
