@@ -213,8 +213,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return L2StoreResult(ok, sum(sizes) if ok else 0)
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
-        with self._lock:
-            done, self._stores = self._stores, {}
+        with self._lock:  # emptied in place: tasks still running hold this same dict
+            done = dict(self._stores)
+            self._stores.clear()
         return done
 
     # ---- lookup and lock -------------------------------------------------------------------
@@ -290,25 +291,29 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _load(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
         ps = self.page_size
-        loaded = Bitmap(len(keys))
-        accessed = []
+        # every page of every object, read max_batch pages per call
+        wanted: list[tuple[int, int, bytes]] = []  # (object, page, key)
+        dsts = []
         for i, (key, obj) in enumerate(zip(keys, objects)):
             size = int(obj.get_size())
-            ks = page_keys(key, size, ps)
-            dst = memoryview(obj.byte_array).cast("B")[:size]
-            ok = True
-            for s in range(0, len(ks), c.max_batch):
-                part = ks[s:s + c.max_batch]
-                with c.get(part) as views:
-                    if any(v is None for v in views):
-                        ok = False
-                        break
-                    for j, v in enumerate(views):
-                        assert v is not None
-                        off = (s + j) * ps
-                        n = min(ps, size - off)
-                        dst[off:off + n] = v[:n]
-            if ok:  # a partly filled buffer is reported failed: LMCache recomputes it
+            dsts.append((memoryview(obj.byte_array).cast("B")[:size], size))
+            wanted += [(i, p, k) for p, k in enumerate(page_keys(key, size, ps))]
+        missing: set[int] = set()
+        for s in range(0, len(wanted), c.max_batch):
+            part = wanted[s:s + c.max_batch]
+            with c.get([k for _, _, k in part]) as views:
+                for (i, p, _), v in zip(part, views):
+                    if v is None or i in missing:
+                        missing.add(i)
+                        continue
+                    dst, size = dsts[i]
+                    off = p * ps
+                    n = min(ps, size - off)
+                    dst[off:off + n] = v[:n]
+        loaded = Bitmap(len(keys))
+        accessed = []
+        for i, key in enumerate(keys):
+            if i not in missing:  # a partly filled buffer is reported failed: LMCache recomputes it
                 loaded.set(i)
                 accessed.append(key)
         if accessed:

@@ -58,18 +58,19 @@ def test_lmcache_l2_bench_verifies_bytes_through_the_plugin(home: Path, file_dev
     services(home, "lm")
     out = home / "bench.json"
     r = subprocess.run([str(LMCACHE), "bench", "l2", "--l2-adapter", adapter_json("lm", home), "--no-skip-verify",
-                        "--data-size-kb", "100", "--num-keys", "32", "--rounds", "2", "--lookup-max-hit-rate", "1.0",
+                        "--data-size-kb", "100", "--num-keys", "32", "--in-flight", "4", "--rounds", "2",
+                        "--lookup-max-hit-rate", "1.0",
                         "--format", "json", "--output", str(out)],
                        env=lm_env(home), capture_output=True, text=True, timeout=300, cwd="/")
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
-    assert "All 32 keys data verified OK" in log, log[-4000:]
-    assert re.search(r"\[Store\] Round \d+: [\d.]+ ms, success_keys=32/32", log)
+    assert "All 128 keys data verified OK" in log, log[-4000:]
+    assert re.search(r"\[Store\] Round \d+: [\d.]+ ms, success_keys=128/128", log), log[-4000:]  # 4 in flight
     text = out.read_text()
     assert "Load" in text and "Store" in text
-    # the bytes went through kvstore: 100 KB objects are two 64 KiB pages each, 32 objects a round
+    # the bytes went through kvstore: 100 KB objects are two 64 KiB pages each, 128 objects a round
     sv = status(home)["stats"]["service"]
-    assert sv["pages_written"] >= 64 and sv["hits"] >= 64 and sv["validation_failures"] == 0
+    assert sv["pages_written"] >= 256 and sv["hits"] >= 256 and sv["validation_failures"] == 0
     # every lock was released (the board is refreshed once a second)
     assert wait_for(lambda: all(t["pinned"] == 0 for t in status(home)["tenants"].values()), 10)
 
