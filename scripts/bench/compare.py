@@ -26,8 +26,11 @@ root). A system that cannot run is reported with the reason.
 
 For each page size and each client count, clients are processes saving and
 then loading disjoint parts of ``--size`` bytes of pages in batches; they all
-set up first and start their timed part together (a barrier); GB/s is total
-bytes over the slowest client's time. Single-page load p50/p99 come from
+set up first and start their timed part together (a barrier); GB/s is the bytes
+actually saved, or loaded with the right content, over the slowest client's time
+(a page a system did not save or return counts as missing, in its own column,
+never as bytes). Every system loads its pages in the same random order, and fio's
+reference is random read, so no side reads sequentially while the other does not. Single-page load p50/p99 come from
 200 loads with one client. Peak memory: the largest resident set of the
 system's server processes plus its largest client.
 """
@@ -205,7 +208,7 @@ def main() -> int:
                         rss = hwm_kib([svc.pid, *children(svc.pid)])
                         rows.append({"system": "kvstore", "page_size": ps, "clients": c, "save_gbps": s["gbps"],
                                      "load_gbps": ld["gbps"], "p50_us": ld["p50_us"], "p99_us": ld["p99_us"],
-                                     "wrong": s["wrong"] + ld["wrong"], "missing": ld["missing"],
+                                     "wrong": s["wrong"] + ld["wrong"], "missing": s["missing"] + ld["missing"],
                                      "peak_rss_mib": (rss + max(s["client_rss_kib"], ld["client_rss_kib"])) / 1024})
             for system in ("file-buffered", "file-direct"):
                 if system not in a.systems:
@@ -227,7 +230,7 @@ def main() -> int:
                         os.close(fd)
                     ld = run_clients(sys.executable, system, "load", 0, n, ps, c, 1, {**args, "cold": True})
                     row.update({"load_gbps": ld["gbps"], "p50_us": ld["p50_us"], "p99_us": ld["p99_us"],
-                                "wrong": s["wrong"] + ld["wrong"], "missing": ld["missing"],
+                                "wrong": s["wrong"] + ld["wrong"], "missing": s["missing"] + ld["missing"],
                                 "peak_rss_mib": max(s["client_rss_kib"], ld["client_rss_kib"]) / 1024})
                     rows.append(row)
                     shutil.rmtree(d)
@@ -248,7 +251,7 @@ def main() -> int:
                                      {**args, "latency": 200 if c == 1 else 0})
                     rows.append({"system": "redis", "page_size": ps, "clients": c, "save_gbps": s["gbps"],
                                  "load_gbps": ld["gbps"], "p50_us": ld["p50_us"], "p99_us": ld["p99_us"],
-                                 "wrong": s["wrong"] + ld["wrong"], "missing": ld["missing"],
+                                 "wrong": s["wrong"] + ld["wrong"], "missing": s["missing"] + ld["missing"],
                                  "peak_rss_mib": (hwm_kib([rs.pid]) + max(s["client_rss_kib"], ld["client_rss_kib"])) / 1024})
                 rs.terminate()
                 rs.wait(10)
@@ -273,14 +276,15 @@ def main() -> int:
         if kv:
             r["load_vs_kvstore"] = r["load_gbps"] / kv["load_gbps"]
     print(f"{'system':<14}{'page':>7}{'cl':>4}{'save GB/s':>11}{'load GB/s':>11}{'cached':>9}{'p50 us':>9}"
-          f"{'p99 us':>9}{'RSS MiB':>9}{'load/fio':>9}{'load/kv':>9}{'wrong':>7}")
+          f"{'p99 us':>9}{'RSS MiB':>9}{'load/fio':>9}{'load/kv':>9}{'wrong':>7}{'missing':>9}")
     for r in rows:
         def f(k: str, fmt: str = "{:.2f}") -> str:
             v = r.get(k)
             return fmt.format(v) if isinstance(v, (int, float)) else "-"
         print(f"{r['system']:<14}{r['page_size'] >> 10:>6}K{r['clients']:>4}{f('save_gbps'):>11}{f('load_gbps'):>11}"
               f"{f('load_cached_gbps'):>9}{f('p50_us', '{:.0f}'):>9}{f('p99_us', '{:.0f}'):>9}"
-              f"{f('peak_rss_mib', '{:.0f}'):>9}{f('load_vs_fio'):>9}{f('load_vs_kvstore'):>9}{f('wrong', '{:d}'):>7}")
+              f"{f('peak_rss_mib', '{:.0f}'):>9}{f('load_vs_fio'):>9}{f('load_vs_kvstore'):>9}{f('wrong', '{:d}'):>7}"
+              f"{f('missing', '{:d}'):>9}")
     for s, why in unavailable.items():
         print(f"{s}: not measured: {why}")
     if a.json:

@@ -2,10 +2,13 @@
 
     python worker.py SYSTEM OP FIRST COUNT PAGE_SIZE BATCH ARGS_JSON
 
-Prints one JSON line: seconds (the timed part), bytes, wrong (pages whose bytes
-differ), missing, lat_us (single-page loads, when asked), max_rss_kib.
-Page i holds pool[i % 8] with pool[j] seeded by j; every system checks every
-loaded byte inside its timed loop (the same cost per byte for all of them).
+Prints one JSON line: seconds (the timed part), bytes (only pages actually saved, or
+loaded with the right bytes), wrong (pages whose bytes differ), missing (pages a
+system did not save or did not return), lat_us (single-page loads, when asked),
+max_rss_kib. Page i holds pool[i % 8] with pool[j] seeded by j; every system checks
+every loaded byte inside its timed loop (the same cost per byte for all of them).
+Loads go in one random order (seeded by FIRST), the same for every system, so that no
+system is measured reading its device sequentially while fio reads randomly.
 Runs under kvstore's environment (system kvstore, file) or the peers'
 environment (redis, mooncake); imports only what its system needs.
 """
@@ -35,7 +38,9 @@ def main() -> None:
     system, op, first, count, ps, batch, args = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]), json.loads(sys.argv[7])
     pages = pool(ps)
     idx = list(range(first, first + count))
-    out = {"system": system, "op": op, "bytes": count * ps, "wrong": 0, "missing": 0}
+    if op == "load":  # the same random order for every system (fio's side is randread)
+        np.random.default_rng(first).shuffle(idx)
+    out = {"system": system, "op": op, "bytes": 0, "wrong": 0, "missing": 0}
     lat: list[float] = []
     if op == "clear":  # between rounds: drop what the previous round stored
         if system == "redis":
@@ -62,7 +67,8 @@ def main() -> None:
             if op == "save":
                 for s in range(0, count, batch):
                     last = s + batch >= count
-                    c.put(keys[s:s + batch], [pages[i % 8] for i in idx[s:s + batch]], wait=last)
+                    r = c.put(keys[s:s + batch], [pages[i % 8] for i in idx[s:s + batch]], wait=last)
+                    out["missing"] += r.dropped
             else:
                 b = min(batch, c.max_batch)
                 for s in range(0, count, b):
@@ -186,6 +192,7 @@ def main() -> None:
         st.close()
     else:
         raise SystemExit(f"unknown system {system}")
+    out["bytes"] = (count - out["missing"] - out["wrong"]) * ps  # only what was really saved or loaded
     out["lat_us"] = [x * 1e6 for x in lat]
     out["max_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps(out), flush=True)
