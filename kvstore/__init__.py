@@ -5,6 +5,7 @@ The public API: the client, its result types, the config records and the errors.
 
 from .client import KVCacheClient as KVCacheClient
 from .client import PageBatch as PageBatch
+from .client import PageReservation as PageReservation
 from .client import PutResult as PutResult
 from .config import ServerConfig as ServerConfig
 from .config import ServiceConfig as ServiceConfig
@@ -26,7 +27,7 @@ from .errors import WouldBlock as WouldBlock
 
 __all__ = [
     "AlreadyRunning", "ClosedError", "CorruptPage", "DeviceMismatch", "KVCacheClient", "KVStoreError",
-    "NotAllowed", "PageBatch", "PutResult", "QuotaExceeded", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
+    "NotAllowed", "PageBatch", "PageReservation", "PutResult", "QuotaExceeded", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
     "StoreNotFound", "Timeout", "ViewsInUse", "WorkerConfig", "WorkerLost", "WouldBlock",
 ]
 __version__ = "0.1.0"

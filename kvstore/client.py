@@ -125,6 +125,92 @@ class PageBatch(Sequence["memoryview | None"]):
         self.release()
 
 
+class PageReservation(Sequence[memoryview]):
+    """Writable page buffers leased for a ``put`` without a copy in the client (``KVCacheClient.reserve``).
+
+    Fill ``reservation[i]`` (a writable ``memoryview`` of ``page_size`` bytes into the
+    shared memory the device is written from: copy a tensor into it, or decode into
+    it), then ``commit(keys)``. Commit revokes the views first: it refuses, with
+    ``ViewsInUse``, while any array, slice or tensor made from them is alive, because
+    the service must never write a page that can still change under it. Buffers not
+    committed go back at ``release()`` or the end of the ``with`` block.
+    """
+
+    def __init__(self, client: KVCacheClient, bufs: list[int]) -> None:
+        self._client = client
+        self._bufs = bufs
+        self._refs: list[Any] = [None] * len(bufs)
+        self._views: list[memoryview] = [self._view(i) for i in range(len(bufs))]
+        self._done = False
+
+    def _view(self, i: int) -> memoryview:
+        """A writable view of reserved page ``i`` over its exporter (made anew if none is alive)."""
+        page = self._refs[i]() if self._refs[i] is not None else None
+        if page is None:
+            page = self._client._arena.payload_array(self._bufs[i]).view(_PageArray)
+            page._owner = self._client
+            self._refs[i] = weakref.ref(page)
+        return memoryview(page)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._done:
+            raise ClosedError("reservation was committed or released; its views are no longer valid")
+        return self._views[i]
+
+    def __len__(self) -> int:
+        return len(self._bufs)
+
+    def _revoke(self) -> None:
+        for v in self._views:
+            try:
+                v.release()
+            except BufferError:
+                pass  # exported further: caught by the weak references below
+        self._views = []
+
+    def commit(self, keys: Sequence[bytes], *, wait: bool = False, timeout: float | None = None) -> PutResult:
+        """Save the first ``len(keys)`` reserved pages under ``keys`` (the rest go back unused).
+
+        Raises:
+            ViewsInUse: something made from the views is still alive (nothing was sent; the
+                reservation stays usable: drop it and commit again).
+            ValueError: more keys than reserved pages, or an empty key.
+            TypeError: a key is not ``bytes``.
+            Timeout, ServiceLost: as ``put``.
+        """
+        if self._done:
+            raise ClosedError("reservation was already committed or released")
+        keys = list(keys)
+        if len(keys) > len(self._bufs):
+            raise ValueError(f"{len(keys)} keys for {len(self._bufs)} reserved pages")
+        self._revoke()
+        alive = sum(r() is not None for r in self._refs)
+        if alive:  # nothing was sent: hand out views again, over the same exporters
+            self._views = [self._view(i) for i in range(len(self._bufs))]
+            raise ViewsInUse(f"{alive} reserved page(s) still have arrays, slices or tensors made from them: "
+                             "drop them, then commit (the pages must not change once they are sent)")
+        self._done = True
+        n = len(keys)
+        used, rest = self._bufs[:n], self._bufs[n:]
+        self._client._give_back(rest)
+        return self._client._put_buffers(keys, used, wait, timeout)
+
+    def release(self) -> None:
+        """Give back the pages not committed (idempotent). A page with arrays still made from
+        its view returns once they are gone."""
+        if self._done:
+            return
+        self._done = True
+        self._revoke()
+        self._client._linger(list(zip(self._bufs, self._refs)))
+
+    def __enter__(self) -> PageReservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class KVCacheClient:
     """A connection to the local cache service of one store.
 
@@ -527,6 +613,46 @@ class KVCacheClient:
                 _, res = self._call(d, P.OP_PUT, n, P.FLAG_WAIT if wait else 0, deadline, bufs)
                 for r in res.tolist():
                     counts[r] = counts.get(r, 0) + 1
+        return PutResult(counts[P.R_STORED], counts[P.R_QUEUED], counts[P.R_SKIPPED], counts[P.R_DROPPED])
+
+    def reserve(self, n: int, *, timeout: float | None = None) -> PageReservation:
+        """Lease ``n`` writable page buffers to fill in place and ``commit`` as a put: the
+        page goes from the engine's memory into the buffer the device is written from in
+        one copy, the engine's (``put`` copies it once more). See ``PageReservation``.
+
+        Raises:
+            ValueError: ``n`` is not in ``1..max_batch``.
+            Timeout: no ``n`` buffers free within the timeout (writes backed up, or views
+                of released batches still alive).
+        """
+        if not 1 <= n <= self.max_batch:
+            raise ValueError(f"reserve({n}): between 1 and max_batch ({self.max_batch}) pages")
+        deadline = self._deadline(timeout)
+        with self._lock:
+            self._check_open()
+            return PageReservation(self, self._alloc(n, deadline))
+
+    def _put_buffers(self, keys: list[bytes], bufs: list[int], wait: bool, timeout: float | None) -> PutResult:
+        """Post filled client buffers as a put (``PageReservation.commit``)."""
+        counts = {P.R_STORED: 0, P.R_QUEUED: 0, P.R_SKIPPED: 0, P.R_DROPPED: 0}
+        if not keys:
+            return PutResult(0, 0, 0, 0)
+        deadline = self._deadline(timeout)
+        with self._lock:
+            try:
+                self._check_open()
+                d = self._acquire(deadline)
+                self._keys(d, keys, 0, len(keys))
+            except BaseException:
+                self._give_back(bufs)
+                raise
+            for b in bufs:
+                self._arena.set_state(b, A.SERVICE)
+            d.bufs[:len(bufs)] = bufs
+            d.lengths[:len(bufs)] = self.page_size
+            _, res = self._call(d, P.OP_PUT, len(keys), P.FLAG_WAIT if wait else 0, deadline, bufs)
+            for r in res.tolist():
+                counts[r] = counts.get(r, 0) + 1
         return PutResult(counts[P.R_STORED], counts[P.R_QUEUED], counts[P.R_SKIPPED], counts[P.R_DROPPED])
 
     def pin(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
