@@ -11,13 +11,14 @@ user is mapped to, see ``[tenants]``), ``timeout_s`` (per kvstore call, default 
 
 Keys. An LMCache object (``ObjectKey``: model, KV rank, object group, cache salt,
 chunk hash) of ``size`` bytes is stored as ``ceil(size / page_size)`` pages under
-``b"lmcache-l2\\0" + msgpack([model, rank, group, salt, chunk_hash, size]) + page index``,
-in the connection's tenant key space. The object's byte size is part of the key, so a
-load into a buffer of another layout can never match (it is a miss, never other bytes).
-A lookup knows the size from LMCache's layout description of the object group, or, when
-that is absent or empty (LMCache's own benchmark passes a placeholder), from the objects
-of that group stored or loaded by this process; a lookup answer that is wrong because of
-it only makes a load miss.
+``b"lmcache-l2\\0" + msgpack([model, rank, group, salt, chunk_hash, size, layout]) + page
+index``, in the connection's tenant key space, ``layout`` being the object's tensors'
+shapes and dtypes (LMCache's multiprocess server describes an object group's format by
+exactly these). So a load into a buffer of another layout, or of the same size in another
+dtype, can never match: it is a miss, never other bytes. A lookup takes the layout from
+LMCache's description of the object group, or, when that is absent or empty (LMCache's
+own benchmark passes a placeholder), from the objects of that group this process stored
+or loaded; a lookup answer that is wrong because of it only makes a load miss.
 
 Locks. ``submit_lookup_and_lock_task`` pins the found pages that this server holds
 (kvstore pins: never evicted while pinned), counted per object so that nested locks
@@ -59,21 +60,40 @@ NAMESPACE = b"lmcache-l2\0"
 QUEUE_DEPTH = 1024
 
 
-def object_size(layout: Any) -> int:
-    """Bytes of an object of ``layout`` (a ``MemoryLayoutDesc``); 0 if it names no tensor."""
-    total = 0
-    for shape, dtype in zip(getattr(layout, "shapes", ()) or (), getattr(layout, "dtypes", ()) or ()):
+#: An object's layout as it goes into its keys: (size in bytes, ((shape, dtype), ...)).
+Layout = tuple[int, tuple[tuple[tuple[int, ...], str], ...]]
+
+
+def _layout(shapes: Any, dtypes: Any) -> Layout:
+    parts = tuple((tuple(int(d) for d in sh), str(dt)) for sh, dt in zip(shapes or (), dtypes or ()))
+    size = 0
+    for (sh, _), dt in zip(parts, dtypes or ()):
         n = 1
-        for d in shape:
-            n *= int(d)
-        total += n * dtype.itemsize
-    return total
+        for d in sh:
+            n *= d
+        size += n * dt.itemsize
+    return size, parts
 
 
-def page_keys(key: Any, size: int, page_size: int) -> list[bytes]:
-    """The kvstore page keys of LMCache object ``key`` of ``size`` bytes."""
-    base = NAMESPACE + msgpack.packb([key.model_name, int(key.kv_rank), int(key.object_group_id),
-                                      key.cache_salt, bytes(key.chunk_hash), int(size)])
+def desc_layout(desc: Any) -> Layout:
+    """The layout a ``MemoryLayoutDesc`` describes (size 0: it describes nothing)."""
+    return _layout(getattr(desc, "shapes", None), getattr(desc, "dtypes", None))
+
+
+def object_layout(obj: Any) -> Layout:
+    """The layout of a ``MemoryObj`` (its metadata's tensors; size: what LMCache says it holds)."""
+    m = obj.metadata
+    shapes = m.shapes if getattr(m, "shapes", None) is not None else [m.shape]
+    dtypes = m.dtypes if getattr(m, "dtypes", None) is not None else [m.dtype]
+    return int(obj.get_size()), _layout(shapes, dtypes)[1]
+
+
+def page_keys(key: Any, layout: Layout, page_size: int) -> list[bytes]:
+    """The kvstore page keys of LMCache object ``key`` of ``layout``: the layout (size, shapes,
+    dtypes) is part of them, so an object of another layout never matches."""
+    size, parts = layout
+    base = NAMESPACE + msgpack.packb([key.model_name, int(key.kv_rank), int(key.object_group_id), key.cache_salt,
+                                      bytes(key.chunk_hash), int(size), [[list(sh), dt] for sh, dt in parts]])
     return [base + i.to_bytes(4, "little") for i in range(max(1, -(-size // page_size)))]
 
 
@@ -141,7 +161,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._lookups: dict[int, Any] = {}
         self._loads: dict[int, Any] = {}
         self._locks: dict[Any, tuple[int, list[bytes]]] = {}  # object -> (lock count, pinned page keys)
-        self._sizes: dict[int, int] = {}  # object group -> byte size seen in stores and loads
+        self._layouts: dict[int, Layout] = {}  # object group -> layout seen in stores and loads
         self._writer = _Lane("kvstore-l2-store", connect)
         self._reader = _Lane("kvstore-l2-read", connect)
         self._writer.start()
@@ -186,7 +206,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         for k, o in zip(keys, objects):
-            self._sizes[int(k.object_group_id)] = int(o.get_size())
+            self._layouts[int(k.object_group_id)] = object_layout(o)
         return self._submit(self._writer, "store", self._stores, lambda: L2StoreResult(False, 0),
                             lambda c: self._store(c, keys, objects))
 
@@ -195,9 +215,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         pkeys: list[bytes] = []
         pages: list[Any] = []
         for key, obj in zip(keys, objects):
-            size = int(obj.get_size())
+            layout = object_layout(obj)
+            size = layout[0]
             data = memoryview(obj.byte_array).cast("B")[:size]
-            for i, pk in enumerate(page_keys(key, size, ps)):
+            for i, pk in enumerate(page_keys(key, layout, ps)):
                 piece = data[i * ps:(i + 1) * ps]
                 if len(piece) < ps:  # the object's last page: padded (its size is in the key)
                     padded = bytearray(ps)
@@ -220,17 +241,17 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # ---- lookup and lock -------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: dict[int, Any]) -> int:
-        sizes = []
+        layouts: list[Layout | None] = []
         for k in keys:
             g = int(k.object_group_id)
-            size = object_size(group_layout_descs.get(g)) if group_layout_descs else 0
-            sizes.append(size or self._sizes.get(g, 0))
+            lay = desc_layout(group_layout_descs.get(g)) if group_layout_descs else (0, ())
+            layouts.append(lay if lay[0] else self._layouts.get(g))
         return self._submit(self._reader, "lookup", self._lookups, lambda: Bitmap(len(keys)),
-                            lambda c: self._lookup_and_lock(c, keys, sizes))
+                            lambda c: self._lookup_and_lock(c, keys, layouts))
 
-    def _lookup_and_lock(self, c: KVCacheClient, keys: Sequence[Any], sizes: Sequence[int]) -> Any:
+    def _lookup_and_lock(self, c: KVCacheClient, keys: Sequence[Any], layouts: Sequence[Layout | None]) -> Any:
         found = Bitmap(len(keys))
-        per = [page_keys(k, s, self.page_size) if s else [] for k, s in zip(keys, sizes)]
+        per = [page_keys(k, lay, self.page_size) if lay else [] for k, lay in zip(keys, layouts)]
         flat = [pk for ks in per for pk in ks]
         have = iter(c.contains(flat)) if flat else iter(())
         to_pin: list[bytes] = []
@@ -285,7 +306,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         for k, o in zip(keys, objects):
-            self._sizes[int(k.object_group_id)] = int(o.get_size())
+            self._layouts[int(k.object_group_id)] = object_layout(o)
         return self._submit(self._reader, "load", self._loads, lambda: Bitmap(len(keys)),
                             lambda c: self._load(c, keys, objects))
 
@@ -295,9 +316,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         wanted: list[tuple[int, int, bytes]] = []  # (object, page, key)
         dsts = []
         for i, (key, obj) in enumerate(zip(keys, objects)):
-            size = int(obj.get_size())
+            layout = object_layout(obj)
+            size = layout[0]
             dsts.append((memoryview(obj.byte_array).cast("B")[:size], size))
-            wanted += [(i, p, k) for p, k in enumerate(page_keys(key, size, ps))]
+            wanted += [(i, p, k) for p, k in enumerate(page_keys(key, layout, ps))]
         missing: set[int] = set()
         for s in range(0, len(wanted), c.max_batch):
             part = wanted[s:s + c.max_batch]
@@ -346,4 +368,4 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 "store_queue": self._writer.tasks.qsize(), "read_queue": self._reader.tasks.qsize()}
 
 
-__all__ = ["KVStoreL2Adapter", "object_size", "page_keys"]
+__all__ = ["KVStoreL2Adapter", "desc_layout", "object_layout", "page_keys"]
