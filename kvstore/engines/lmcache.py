@@ -104,7 +104,7 @@ class _Lane(threading.Thread):
         super().__init__(name=name, daemon=True)
         self._connect = connect
         self._client: KVCacheClient | None = None
-        self.tasks: queue.Queue[Callable[[KVCacheClient], None] | None] = queue.Queue(QUEUE_DEPTH)
+        self.tasks: queue.Queue[Callable[[Callable[[], KVCacheClient]], None] | None] = queue.Queue(QUEUE_DEPTH)
 
     def client(self) -> KVCacheClient:
         if self._client is None:
@@ -117,7 +117,7 @@ class _Lane(threading.Thread):
             if task is None:
                 break
             try:
-                task(self.client())
+                task(self.client)  # connecting is part of the task: a service that is down fails it
             except Exception:  # the task has completed itself as failed; reconnect for the next
                 log.exception("kvstore L2 adapter task failed")
                 self._drop()
@@ -186,9 +186,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 body: Callable[[KVCacheClient], Any]) -> int:
         task_id = next(self._ids)
 
-        def task(c: KVCacheClient) -> None:
+        def task(client: Callable[[], KVCacheClient]) -> None:
             try:
-                result = body(c)
+                result = body(client())
             except Exception:
                 self._done(kind, table, task_id, failed())
                 raise
@@ -292,14 +292,14 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._unpin(release)
 
     def _unpin(self, pkeys: list[bytes]) -> None:
-        def task(c: KVCacheClient) -> None:
-            c.unpin(pkeys)
+        def task(client: Callable[[], KVCacheClient]) -> None:
+            client().unpin(pkeys)
 
         try:  # must not be lost: on a full queue, unpin on a connection of its own
             self._reader.tasks.put_nowait(task)
         except queue.Full:
             with self._reader._connect() as c:
-                task(c)
+                task(lambda: c)
 
     # ---- load ------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import select
+import signal
 import time
 from pathlib import Path
 
@@ -95,6 +96,28 @@ def main() -> None:
     out["pinned_after_one_unlock"] = pinned(a.home, a.store)  # object 0 is still locked once
     ad.submit_unlock(keys[:1])
     out["pinned_after_unlock"] = pinned(a.home, a.store)
+    # the service goes away: tasks complete as failed (LMCache recomputes), none hangs
+    pid = int((Path(a.home) / "run" / a.store / "local.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    while (Path(a.home) / "run" / a.store / "local.pid").exists():
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    tid = ad.submit_store_task(keys[:2], objs[:2])
+    done = {}
+    while tid not in done:
+        wait(ad.get_store_event_fd())
+        done.update(ad.pop_completed_store_tasks())
+    tid2 = ad.submit_store_task(keys[2:4], objs[2:4])  # this one has to connect first: that fails too
+    while tid2 not in done:
+        wait(ad.get_store_event_fd())
+        done.update(ad.pop_completed_store_tasks())
+    t = ad.submit_load_task(keys[:2], [obj(ps, 0) for _ in range(2)])
+    bm = ad.query_load_result(t)
+    while bm is None:
+        wait(ad.get_load_event_fd())
+        bm = ad.query_load_result(t)
+    out["after_service_gone"] = {"store_ok": bool(done[tid].is_successful() or done[tid2].is_successful()),  # type: ignore[attr-defined]
+                                 "loaded": bm.popcount(), "seconds": round(time.monotonic() - t0, 2)}
     ad.close()
     print(json.dumps(out))
 
