@@ -60,6 +60,11 @@ class PutResult:
     """Pages not written: no slot could be freed (all pinned or being written) or the write failed."""
 
 
+def _put_result(results: list[int]) -> PutResult:
+    """Count a put's per-page results."""
+    return PutResult(*(results.count(r) for r in (P.R_STORED, P.R_QUEUED, P.R_SKIPPED, P.R_DROPPED)))
+
+
 class _PageArray(np.ndarray[Any, Any]):
     """The exporter behind one page view: a read-only array over an arena buffer.
 
@@ -593,7 +598,7 @@ class KVCacheClient:
             if v.nbytes != self.page_size:
                 raise ValueError(f"pages[{i}] has {v.nbytes} bytes; this store's page_size is {self.page_size}")
             views.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
-        counts = {P.R_STORED: 0, P.R_QUEUED: 0, P.R_SKIPPED: 0, P.R_DROPPED: 0}
+        results: list[int] = []
         deadline = self._deadline(timeout)
         # Sub-batches of a quarter lease: while the service writes one, the next is being
         # copied in. A whole-lease batch would wait for every write of the previous one.
@@ -607,13 +612,8 @@ class KVCacheClient:
                 bufs = self._alloc(n, deadline)
                 for j, b in enumerate(bufs):
                     self._arena.payload(b)[:] = views[start + j]
-                    self._arena.set_state(b, A.SERVICE)
-                d.bufs[:n] = bufs
-                d.lengths[:n] = self.page_size
-                _, res = self._call(d, P.OP_PUT, n, P.FLAG_WAIT if wait else 0, deadline, bufs)
-                for r in res.tolist():
-                    counts[r] = counts.get(r, 0) + 1
-        return PutResult(counts[P.R_STORED], counts[P.R_QUEUED], counts[P.R_SKIPPED], counts[P.R_DROPPED])
+                results += self._post_put(d, bufs, wait, deadline)
+        return _put_result(results)
 
     def reserve(self, n: int, *, timeout: float | None = None) -> PageReservation:
         """Lease ``n`` writable page buffers to fill in place and ``commit`` as a put: the
@@ -634,7 +634,6 @@ class KVCacheClient:
 
     def _put_buffers(self, keys: list[bytes], bufs: list[int], wait: bool, timeout: float | None) -> PutResult:
         """Post filled client buffers as a put (``PageReservation.commit``)."""
-        counts = {P.R_STORED: 0, P.R_QUEUED: 0, P.R_SKIPPED: 0, P.R_DROPPED: 0}
         if not keys:
             return PutResult(0, 0, 0, 0)
         deadline = self._deadline(timeout)
@@ -646,14 +645,18 @@ class KVCacheClient:
             except BaseException:
                 self._give_back(bufs)
                 raise
-            for b in bufs:
-                self._arena.set_state(b, A.SERVICE)
-            d.bufs[:len(bufs)] = bufs
-            d.lengths[:len(bufs)] = self.page_size
-            _, res = self._call(d, P.OP_PUT, len(keys), P.FLAG_WAIT if wait else 0, deadline, bufs)
-            for r in res.tolist():
-                counts[r] = counts.get(r, 0) + 1
-        return PutResult(counts[P.R_STORED], counts[P.R_QUEUED], counts[P.R_SKIPPED], counts[P.R_DROPPED])
+            return _put_result(self._post_put(d, bufs, wait, deadline))
+
+    def _post_put(self, d: P.Descriptor, bufs: list[int], wait: bool, deadline: float) -> list[int]:
+        """Hand the filled ``bufs`` to the service as the put in ``d`` (its keys written);
+        returns the per-page results. Caller holds the lock."""
+        n = len(bufs)
+        for b in bufs:
+            self._arena.set_state(b, A.SERVICE)
+        d.bufs[:n] = bufs
+        d.lengths[:n] = self.page_size
+        _, res = self._call(d, P.OP_PUT, n, P.FLAG_WAIT if wait else 0, deadline, bufs)
+        return [int(r) for r in res.tolist()]
 
     def pin(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Pin pages (a shared system prompt, say) so that this server never evicts them.

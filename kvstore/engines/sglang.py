@@ -219,10 +219,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                         if v is None:
                             continue
                         t = targets[s + j]
-                        if t is None:
-                            continue  # nowhere to put it: SGLang always passes a target
-                        dst = t.view(torch.uint8).reshape(-1)
-                        dst.copy_(torch.from_numpy(np.frombuffer(v, np.uint8)[:dst.numel()].copy()))
+                        if t is None or not t.is_contiguous():
+                            continue  # nowhere to put it in place (SGLang passes flat contiguous pages)
+                        dst = t.view(torch.uint8).view(-1).numpy()  # the target itself, never a copy
+                        dst[:] = np.frombuffer(v, np.uint8)[:dst.size]
                         out[s + j] = t
         except KVStoreError as e:
             log.warning("kvstore HiCache backend: get failed: %s", e)
