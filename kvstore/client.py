@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import select
 import socket
 import threading
@@ -34,16 +33,14 @@ import numpy as np
 from .config import check_name, mass_home, run_dir, store_path
 from .errors import (ClosedError, KVStoreError, NotAllowed, QuotaExceeded, ServiceLost, StoreNotFound, Timeout,
                      ViewsInUse, WouldBlock)
+from .digests import check_keys, key_digests
 from .service import protocol as P
+from .shm.control import ControlLayout
+from .shm.index import IndexReader
 from .shm import arena as A
 from .shm.segment import Segment, attach_semaphore, wait_semaphore
 
 DEFAULT_TIMEOUT_S = 30.0
-
-
-def key_id(key: bytes) -> bytes:
-    """The 32-byte id a client sends for ``key`` (BLAKE2b-256; the service salts it again)."""
-    return hashlib.blake2b(key, digest_size=32).digest()
 
 
 @dataclass(frozen=True)
@@ -185,7 +182,7 @@ class PageReservation(Sequence[memoryview]):
         """
         if self._done:
             raise ClosedError("reservation was already committed or released")
-        keys = list(keys)
+        keys = check_keys(keys)  # a bad key is refused before anything happens to the reservation
         if len(keys) > len(self._bufs):
             raise ValueError(f"{len(keys)} keys for {len(self._bufs)} reserved pages")
         self._revoke()
@@ -253,6 +250,13 @@ class KVCacheClient:
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
+        self._salt: bytes = hello["salt"]
+        lay = ControlLayout.of(hello["slots"], hello["arena_count"])
+        if lay.states_offset != hello["states_offset"] or lay.nbytes > self._control_seg.size:
+            raise KVStoreError("the service's shared-memory layout is not this client's "
+                               "(client and service of different kvstore versions?)")
+        cb = self._control_seg.buf
+        self._index = IndexReader(lay.index_seq(cb), lay.index_entries(cb), lay.slot_table(cb), lay.ref_bits(cb))
         self._lock = threading.Lock()
         self._seq = 1
         self._closed = False
@@ -469,15 +473,8 @@ class KVCacheClient:
                               "default); treat these pages as misses")
             wait_semaphore(self._sem, min(left, 0.05))
 
-    def _keys(self, d: P.Descriptor, keys: Sequence[bytes], start: int, n: int) -> None:
-        part = keys[start:start + n]
-        for j, k in enumerate(part):
-            if not isinstance(k, bytes):
-                raise TypeError(f"keys[{start + j}] must be bytes, got {type(k).__name__}")
-            if not k:
-                raise ValueError(f"keys[{start + j}] is empty")
-        blob = b"".join(key_id(k) for k in part)
-        d.keys[:n] = np.frombuffer(blob, dtype=np.uint8).reshape(n, 32)
+    def _keys(self, d: P.Descriptor, ids: np.ndarray[Any, Any], start: int, n: int) -> None:
+        d.keys[:n] = ids[start:start + n]
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -501,20 +498,38 @@ class KVCacheClient:
         return self._lookup(keys, timeout)[0]
 
     def _lookup(self, keys: Sequence[bytes], timeout: float | None) -> tuple[int, list[bool]]:
-        keys = list(keys)
+        keys = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            self._check_service()
+            ids, words = key_digests(keys, self._salt)
+            assert words is not None
+            # answered here from the shared index, no round trip (it is a hint either way: a
+            # get validates what it reads); only a lookup that keeps overlapping an index
+            # rebuild asks the service
+            gids = self._index.lookup(words)
+            if gids is not None:
+                hit = gids >= 0
+                c = self._chan.counters
+                c[0] += 1
+                c[1] += len(keys)
+                lead = int(np.argmin(hit)) if not hit.all() else len(keys)
+                return lead, hit.tolist()
+            return self._lookup_service(ids, timeout)
+
+    def _lookup_service(self, ids: np.ndarray[Any, Any], timeout: float | None) -> tuple[int, list[bool]]:
+        """Lookup through the service (caller holds the lock)."""
         deadline = self._deadline(timeout)
         found: list[bool] = []
         lead = 0
-        with self._lock:
-            self._check_open()
-            for start in range(0, len(keys), self.max_batch):
-                n = min(self.max_batch, len(keys) - start)
-                d = self._acquire(deadline)
-                self._keys(d, keys, start, n)
-                value, res = self._call(d, P.OP_LOOKUP, n, 0, deadline)
-                found += (res == P.R_HIT).tolist()
-                if lead == start:
-                    lead += value
+        for start in range(0, len(ids), self.max_batch):
+            n = min(self.max_batch, len(ids) - start)
+            d = self._acquire(deadline)
+            self._keys(d, ids, start, n)
+            value, res = self._call(d, P.OP_LOOKUP, n, 0, deadline)
+            found += (res == P.R_HIT).tolist()
+            if lead == start:
+                lead += value
         return lead, found
 
     def get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> PageBatch:
@@ -530,7 +545,7 @@ class KVCacheClient:
             TypeError: a key is not ``bytes``.
             Timeout, ServiceLost: the service did not answer (treat as misses).
         """
-        keys = list(keys)
+        keys = check_keys(keys)
         if len(keys) > self.max_batch:
             raise ValueError(f"get of {len(keys)} keys exceeds max_batch {self.max_batch} "
                              "(service.client_buffers in the store config); split the batch")
@@ -540,8 +555,9 @@ class KVCacheClient:
         with self._lock:
             self._check_open()
             n = len(keys)
+            ids, _ = key_digests(keys)
             d = self._acquire(deadline)
-            self._keys(d, keys, 0, n)
+            self._keys(d, ids, 0, n)
             bufs = self._alloc(n, deadline)
             d.bufs[:n] = bufs
             for b in bufs:
@@ -583,7 +599,7 @@ class KVCacheClient:
                 sub-batch the service had not started when the call timed out is not
                 written; one it had started may still be).
         """
-        keys = list(keys)
+        keys = check_keys(keys)
         pages = list(pages)
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
@@ -603,12 +619,13 @@ class KVCacheClient:
         # Sub-batches of a quarter lease: while the service writes one, the next is being
         # copied in. A whole-lease batch would wait for every write of the previous one.
         step = max(1, self.max_batch // 4)
+        ids, _ = key_digests(keys)
         with self._lock:
             self._check_open()
             for start in range(0, len(keys), step):
                 n = min(step, len(keys) - start)
                 d = self._acquire(deadline)
-                self._keys(d, keys, start, n)
+                self._keys(d, ids, start, n)
                 bufs = self._alloc(n, deadline)
                 for j, b in enumerate(bufs):
                     self._arena.payload(b)[:] = views[start + j]
@@ -640,8 +657,9 @@ class KVCacheClient:
         with self._lock:
             try:
                 self._check_open()
+                ids, _ = key_digests(keys)
                 d = self._acquire(deadline)
-                self._keys(d, keys, 0, len(keys))
+                self._keys(d, ids, 0, len(keys))
             except BaseException:
                 self._give_back(bufs)
                 raise
@@ -680,7 +698,8 @@ class KVCacheClient:
         return self._pin_op(P.OP_UNPIN, keys, timeout)[0]
 
     def _pin_op(self, op: int, keys: Sequence[bytes], timeout: float | None) -> tuple[int, int]:
-        keys = list(keys)
+        keys = check_keys(keys)
+        ids, _ = key_digests(keys)
         deadline = self._deadline(timeout)
         done = quota = 0
         with self._lock:
@@ -688,7 +707,7 @@ class KVCacheClient:
             for start in range(0, len(keys), self.max_batch):
                 n = min(self.max_batch, len(keys) - start)
                 d = self._acquire(deadline)
-                self._keys(d, keys, start, n)
+                self._keys(d, ids, start, n)
                 _, res = self._call(d, op, n, 0, deadline)
                 done += int((res == P.R_PINNED).sum())
                 quota += int((res == P.R_QUOTA).sum())

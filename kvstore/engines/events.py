@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from ..client import key_id
+from ..digests import key_id
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

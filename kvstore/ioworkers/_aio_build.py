@@ -18,6 +18,8 @@ plain loads/stores on x86_64.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cffi
 
 CDEF = """
@@ -41,6 +43,14 @@ uint32_t kv_load_acquire_u32(const uint32_t *p);
 void kv_store_release_u32(uint32_t *p, uint32_t v);
 int kv_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired);
 uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v);
+
+void kv_key_digests(const uint8_t *blob, const uint64_t *ends, int64_t n, const uint8_t *salt,
+                    size_t saltlen, uint8_t *ids_out, uint8_t *salted_out);
+void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t saltlen, uint8_t *out);
+int64_t kv_index_lookup(const uint64_t *seq, const void *entries, uint64_t capacity, const void *slots,
+                        uint64_t nslots, const uint64_t *words, int64_t n, int64_t *out, uint8_t *ref);
+void kv_seq_begin(uint64_t *seq);
+void kv_seq_end(uint64_t *seq);
 """
 
 SOURCE = r"""
@@ -112,6 +122,8 @@ int kv_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired) {
 }
 uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 """
+# key digests (BLAKE2b) and the lock-free key-index reader: their own file, for their own concern
+SOURCE += Path(__file__).with_name("_keys.c").read_text()
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)

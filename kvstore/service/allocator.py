@@ -105,9 +105,10 @@ class Allocator:
 
     def __init__(self, slots: np.ndarray[Any, Any], own: Sequence[range], gens: Sequence[Generations],
                  grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 on_retire: Callable[[int], None] | None = None) -> None:
+                 on_retire: Callable[[int], None] | None = None, ref: np.ndarray[Any, Any] | None = None) -> None:
         """``own[d]`` is the gid range of this server's area on device ``d``; ``on_retire(gid)``
-        is told of every tombstone (the sync agent publishes it)."""
+        is told of every tombstone (the sync agent publishes it); ``ref``: the CLOCK reference
+        bits, one byte per slot (in shared memory, where clients' lookups set them; private if None)."""
         self.slots = slots
         self.own = list(own)
         self.gens = list(gens)
@@ -121,7 +122,7 @@ class Allocator:
         self.owner = np.full(n, -1, dtype=np.int32)  # tenant id that wrote the slot (-1: unknown)
         self.used_by: dict[int, int] = {}            # tenant id -> own slots it holds (valid or being written)
         self.pinned_by: dict[int, set[int]] = {}     # tenant id -> slots it pinned
-        self.ref = np.zeros(n, dtype=np.uint8)
+        self.ref = ref if ref is not None else np.zeros(n, dtype=np.uint8)
         self.free: list[FreeSlots] = []
         self.quarantine: list[deque[tuple[int, float]]] = [deque() for _ in own]
         self.hand = [r.start for r in own]

@@ -192,6 +192,7 @@ class Conn:
     held: set[int] = field(default_factory=set)      # descriptors the service took and has not answered
     inuse: set[int] = field(default_factory=set)     # buffers the service holds for this connection
     rejected: int = 0       # requests refused as malformed
+    counted: tuple[int, int] = (0, 0)  # the client's lookup counters as last added to the stats
 
     @property
     def pid(self) -> int:

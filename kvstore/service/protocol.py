@@ -2,13 +2,18 @@
 
 Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)::
 
-    client -> service  {"v": 2, "op": "hello", "tenant": str}
-    service -> client  {"v": 2, "ok": true, "client_id": int, "page_size": int,
+    client -> service  {"v": 3, "op": "hello", "tenant": str}
+    service -> client  {"v": 3, "ok": true, "client_id": int, "page_size": int,
                         "max_batch": int, "lease_start": int, "lease_count": int,
                         "arena": str, "control": str, "states_offset": int,
+                        "arena_count": int, "slots": int, "salt": bytes,
                         "segment": str, "sem": str, "doorbell": str,
                         "service_pid": int, "store": str, "server": str, "tenant": str}
-                   or  {"v": 2, "ok": false, "error": str, "kind": str}
+                   or  {"v": 3, "ok": false, "error": str, "kind": str}
+
+``slots`` and ``arena_count`` give the control segment's layout (shm/control.py), which
+the client maps to answer lookups itself from the key index; ``salt`` is the granted
+tenant's salt, with which it computes the digests it looks up (kvstore/digests.py).
 
 The service reads the hello without blocking (a state machine fed by its loop)
 and drops a client whose hello is not complete within ``HELLO_DEADLINE_S``, is
@@ -29,6 +34,8 @@ Connection segment layout (``ClientChannel``)::
                      lengths  max_batch x u32: payload bytes per key (put)
                      results  max_batch x i32: R_* per key (written by the service when it answers)
                  each padded to a multiple of 64 bytes
+    counters     64 bytes, written by the client only: u64 lookups, u64 lookup keys
+                 (answered in the client; the service adds them to its stats)
 
 Ownership (the invariant the first version lacked): a descriptor belongs to
 exactly one side at a time, named by its ``state`` word (store-release to hand
@@ -63,10 +70,11 @@ import numpy as np
 from ..ioworkers.aio import FFI, LIB
 from ..shm.ring import Ring
 
-VERSION = 2
+VERSION = 3
 MAX_FRAME = 1 << 16
 HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
 NDESC = 8                # request descriptors per connection (requests in flight, timed-out ones included)
+COUNTERS_BYTES = 64      # the connection's client-written counters, after the descriptors
 
 OP_LOOKUP = 1
 OP_GET = 2
@@ -182,11 +190,13 @@ class ClientChannel:
         for i in range(NDESC):
             self.desc.append(Descriptor(buf, base, o, max_batch, i))
             o += Descriptor.nbytes(max_batch)
+        self.counters = np.frombuffer(buf, dtype="<u8", count=2, offset=o)
+        """[lookups, lookup keys] answered in the client (one writer: the client)."""
 
     @staticmethod
     def nbytes(max_batch: int) -> int:
         """Size of a connection segment."""
-        return Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch)
+        return Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch) + COUNTERS_BYTES
 
 
 def encode_frame(obj: dict[str, Any]) -> bytes:

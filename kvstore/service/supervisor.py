@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import select
 import signal
@@ -44,17 +43,19 @@ from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AlreadyRunning, KVStoreError, NotAllowed
 from ..logging import recent_warnings
 from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
-                                  ST_IO_ERROR, ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
+                                  ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
 from ..crdt.agent import AgentParams, Peer, agent_main
 from ..crdt.keys import keypair_for, load_keypair
 from ..crdt.log import SyncRings
 from ..ioworkers.worker import WorkerParams, worker_main
 from ..shm import arena as A
 from ..shm.board import BOARD_BYTES, Board
-from ..shm.index import ENTRY_DTYPE, KeyIndex, index_capacity
+from ..digests import salted_words
+from ..shm.control import ControlLayout
+from ..shm.index import KeyIndex
 from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
                            unlink_semaphore, wait_semaphore)
-from ..shm.slots import EMPTY, RETIRED, SLOT_DTYPE, VALID, SlotMap, entry_words, slot_table
+from ..shm.slots import EMPTY, RETIRED, VALID, SlotMap, entry_words
 from ..shm.stats import D, StatsBlock, stats_nbytes
 from ..storage.membership import Membership, read_membership
 from ..storage.header import HEADER_BLOCK
@@ -68,18 +69,6 @@ from .sync import SyncLink, new_epoch
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.02
-
-
-def salted_words(keys: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any]:
-    """Service-side digests: BLAKE2b-256 keyed with the salt over each client key id, as n x 4 u64."""
-    base = hashlib.blake2b(digest_size=32, key=salt)  # the key block is hashed once, then copied
-    raw = keys.tobytes()
-    out = []
-    for i in range(0, len(raw), 32):
-        h = base.copy()
-        h.update(raw[i:i + 32])
-        out.append(h.digest())
-    return np.frombuffer(b"".join(out), dtype="<u8").reshape(-1, 4)
 
 
 @dataclass
@@ -218,13 +207,10 @@ class Supervisor:
             if self.arena_count > REQUEST_RING:
                 raise ValueError(f"max_clients x client_buffers must be <= {REQUEST_RING}, "
                                  f"got {self.arena_count}")
-            icap = index_capacity(total)
-            slots_bytes = total * SLOT_DTYPE.itemsize
-            idx_off = (slots_bytes + 63) // 64 * 64
-            self.states_off = idx_off + icap * ENTRY_DTYPE.itemsize
-            ctl = self._segment("control", self.states_off + A.Arena.states_nbytes(self.arena_count))
-            self.slots = slot_table(ctl.buf, 0, total)
-            entries = np.frombuffer(ctl.buf, dtype=ENTRY_DTYPE, count=icap, offset=idx_off)
+            lay = ControlLayout.of(total, self.arena_count)
+            self.states_off = lay.states_offset
+            ctl = self._segment("control", lay.nbytes)
+            self.slots = lay.slot_table(ctl.buf)
             arena_seg = self._segment("arena", self.arena_count * A.buffer_size(cfg.page_size))
             self.arena = A.Arena(arena_seg.buf, ctl.buf, self.states_off, self.arena_count, cfg.page_size)
             st = self._segment("stats", stats_nbytes(len(cfg.devices)))
@@ -237,7 +223,7 @@ class Supervisor:
             for i, sv in enumerate(cfg.servers):
                 if sv.denied:  # a denied server's pages are never read
                     self._forget_area(i)
-            self.index = KeyIndex(entries, self.slots, init=True)
+            self.index = KeyIndex(lay.index_entries(ctl.buf), self.slots, init=True, seq=lay.index_seq(ctl.buf))
             self.index.rebuild()
             gens = [Generations(rep.max_gen[d][self.area]) for d in range(self.smap.n_devices)]
             self.own = [self.smap.area_gids(d, self.area) for d in range(self.smap.n_devices)]
@@ -245,7 +231,7 @@ class Supervisor:
             for r in self.own:
                 self.local[r.start:r.stop] = True
             self.alloc = Allocator(self.slots, self.own, gens, cfg.service.retire_grace_s,
-                                   on_retire=self._on_retire)
+                                   on_retire=self._on_retire, ref=lay.ref_bits(ctl.buf))
             self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
                           seconds=round(rep.seconds, 3))
             for d, path in enumerate(cfg.devices):
@@ -569,6 +555,7 @@ class Supervisor:
                 "control": self.prefix + "control", "states_offset": self.states_off,
                 "arena_count": self.arena_count, "segment": seg.name, "sem": sem_name,
                 "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": self.cfg.name,
+                "slots": self.smap.total, "salt": salt,
                 "server": self.server, "stats": self.prefix + "stats", "tenant": tenant}))
         except OSError as e:  # a fresh socket's buffer takes a hello answer; failing here means it is gone
             conn.alive = False
@@ -602,7 +589,18 @@ class Supervisor:
         for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
             self._drop_conn(conn)
 
+    def _count_lookups(self, conn: Conn) -> None:
+        """Add the lookups a client answered itself since last time to the stats. The words are
+        the client's: an increment that goes backwards or is implausibly large is ignored."""
+        now = (int(conn.chan.counters[0]), int(conn.chan.counters[1]))
+        was = conn.counted
+        if was[0] <= now[0] <= was[0] + (1 << 32) and was[1] <= now[1] <= was[1] + (1 << 40):
+            self.stats.add("lookups", now[0] - was[0])
+            self.stats.add("lookup_keys", now[1] - was[1])
+            conn.counted = now
+
     def _drop_conn(self, conn: Conn) -> None:
+        self._count_lookups(conn)
         del self.conns[conn.id]
         conn.alive = False
         for b in list(conn.inuse):  # e.g. a put answered early whose write failed to dispatch
@@ -960,6 +958,8 @@ class Supervisor:
         s.set("heartbeat_ns", time.time_ns())
         s.set("clients_connected", sum(1 for c in self.conns.values() if c.alive))
         s.set("pins", self.alloc.pinned_slots)
+        for conn in self.conns.values():
+            self._count_lookups(conn)
         if not full:
             return
         st = self.slots["state"]

@@ -18,20 +18,30 @@ whole batches), and back-shift deletion is inherently one entry at a time.
 
 A key may have several entries (copies in several areas). ``lookup`` prefers
 a copy in a ``local`` slot, and falls back to another when one is retired.
-The supervisor is the only writer.
+
+The supervisor is the only writer; clients read the table without a lock
+(``IndexReader``, in compiled code). That is safe because an insert only fills an
+empty entry or one whose slot no longer holds its key: the entry of a key that is
+present never changes under a reader, and an entry never becomes empty again. Only
+``rebuild`` rewrites everything, so it runs inside a seqlock (the index head's
+``seq`` is odd meanwhile); a reader that overlapped one retries.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..ioworkers.aio import FFI, LIB
 from .slots import VALID, entry_words
 
 ENTRY_DTYPE = np.dtype([("tag", "<u8"), ("gid", "<i8")])
 REBUILD_FILL = 0.75
+INDEX_HEAD_BYTES = 64  # u64 seq (the rebuild seqlock), then reserved
+READ_TRIES = 8         # lookups that overlap a rebuild before a reader gives up (each waits a bit longer)
 
 
 def index_capacity(total_slots: int) -> int:
@@ -61,8 +71,12 @@ class KeyIndex:
     ``tag & mask`` before the first empty entry.
     """
 
-    def __init__(self, entries: np.ndarray[Any, Any], slots: np.ndarray[Any, Any], *, init: bool) -> None:
+    def __init__(self, entries: np.ndarray[Any, Any], slots: np.ndarray[Any, Any], *, init: bool,
+                 seq: np.ndarray[Any, Any] | None = None) -> None:
+        """``seq``: the one-word seqlock readers in other processes check (private if None)."""
         self.e = entries
+        self.seq = seq if seq is not None else np.zeros(1, dtype="<u8")
+        self._seq_ptr = FFI.cast("uint64_t *", self.seq.ctypes.data)
         self.slots = slots
         self.capacity = len(entries)
         if self.capacity & (self.capacity - 1):
@@ -166,11 +180,15 @@ class KeyIndex:
 
     def rebuild(self) -> None:
         """Drop every entry and index all VALID slots again (clears the garbage)."""
-        self.e["gid"] = -1
-        self.e["tag"] = 0
-        self.used = 0
-        self.rebuilds += 1
-        self.index_slots(np.nonzero(self.slots["state"] == VALID)[0])
+        LIB.kv_seq_begin(self._seq_ptr)
+        try:
+            self.e["gid"] = -1
+            self.e["tag"] = 0
+            self.used = 0
+            self.rebuilds += 1
+            self.index_slots(np.nonzero(self.slots["state"] == VALID)[0])
+        finally:
+            LIB.kv_seq_end(self._seq_ptr)
 
     def index_slots(self, gids: np.ndarray[Any, Any]) -> None:
         """Index slots ``gids`` under the digests the slot table holds for them."""
@@ -180,3 +198,37 @@ class KeyIndex:
     def statistics(self) -> IndexStatistics:
         """Capacity, used entries, rebuilds."""
         return IndexStatistics(self.capacity, self.used, self.rebuilds)
+
+
+class IndexReader:
+    """A lock-free reader of a key index another process writes (see the module doc).
+
+    One ``lookup`` of any length is one call into compiled code; it also sets the CLOCK
+    reference bit of every slot it finds, as a lookup in the service does.
+    """
+
+    def __init__(self, seq: np.ndarray[Any, Any], entries: np.ndarray[Any, Any], slots: np.ndarray[Any, Any],
+                 ref: np.ndarray[Any, Any] | None = None) -> None:
+        self._keep = (seq, entries, slots, ref)  # the views the pointers below point into
+        self._seq = FFI.cast("uint64_t *", seq.ctypes.data)
+        self._entries = FFI.cast("void *", entries.ctypes.data)
+        self._capacity = len(entries)
+        self._slots = FFI.cast("void *", slots.ctypes.data)
+        self._nslots = len(slots)
+        self._ref = FFI.cast("uint8_t *", ref.ctypes.data) if ref is not None else FFI.NULL
+
+    def lookup(self, words: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+        """Global slot ids (``-1``: miss) of ``n x 4`` u64 digests, or None when every try
+        overlapped a rebuild of the table (ask the writer instead)."""
+        words = np.ascontiguousarray(words, dtype="<u8")
+        out = np.empty(len(words), dtype=np.int64)
+        wp = FFI.cast("uint64_t *", words.ctypes.data)
+        op = FFI.cast("int64_t *", out.ctypes.data)
+        pause = 20e-6
+        for _ in range(READ_TRIES):
+            if LIB.kv_index_lookup(self._seq, self._entries, self._capacity, self._slots, self._nslots,
+                                   wp, len(words), op, self._ref) >= 0:
+                return out
+            time.sleep(pause)  # a rebuild takes milliseconds at 10^6 slots: back off, then look again
+            pause *= 4
+        return None

@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvstore import KVCacheClient  # noqa: E402
-from kvstore.client import key_id  # noqa: E402
+from kvstore.digests import key_id  # noqa: E402
 from kvstore.config import ServiceConfig, load_store  # noqa: E402
 from kvstore.shm.index import ENTRY_DTYPE, index_capacity  # noqa: E402
 from kvstore.shm.slots import SLOT_DTYPE  # noqa: E402

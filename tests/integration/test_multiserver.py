@@ -194,7 +194,7 @@ def test_malformed_truncated_and_forged_messages_are_dropped(home: Path, file_de
         # a register whose digest is a real key's (as the service salts it), at a slot b never wrote
         import hashlib
 
-        from kvstore.client import key_id
+        from kvstore.digests import key_id
 
         digest = hashlib.blake2b(key_id(b"lure"), digest_size=32, key=bytes.fromhex(cfg.salt)).digest()
         lure = regs(1, 3, 1)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore import KVCacheClient
-from kvstore.client import key_id
+from kvstore.digests import key_id
 from kvstore.config import ServiceConfig
 from kvstore.errors import Timeout, ViewsInUse
 from kvstore.quickstart import page_bytes

@@ -170,7 +170,7 @@ def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, servi
                                    tenants={"alpha": ["uid:0"]}), home)
     services(home, "t")
     sock = run_dir("t", home) / "local.sock"
-    hello = msgpack.packb({"v": 2, "op": "hello", "tenant": "alpha"})
+    hello = msgpack.packb({"v": 3, "op": "hello", "tenant": "alpha"})
     frame = len(hello).to_bytes(4, "little") + hello
     code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(5); "
             f"s.connect({str(sock)!r}); s.sendall(bytes.fromhex({frame.hex()!r})); "

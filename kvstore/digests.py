@@ -1,0 +1,70 @@
+"""Key digests: what a client key is called on the wire and in the store.
+
+Two digests, both BLAKE2b-256 (docs/FORMAT.md "Key digests")::
+
+    key id   = BLAKE2b-256(key)                      what a client sends for a key
+    digest   = BLAKE2b-256(key = tenant salt; key id)  what the slot table, index and headers hold
+
+The service salts the ids a client sends for get, put and pin itself: a client can read
+every digest in the slot table, so taking salted digests from it would let one tenant name
+another's pages. A client salts only for its own lookups (in ``KVCacheClient``), with its
+own tenant's salt, which the service hands it at the hello.
+
+Whole batches go through one call into compiled code (``_keys.c``), not a Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .ioworkers.aio import FFI, LIB
+
+DIGEST_BYTES = 32
+
+
+def _u8(buf: Any) -> Any:
+    return FFI.from_buffer("uint8_t[]", buf)
+
+
+def check_keys(keys: Sequence[Any]) -> list[bytes]:
+    """``keys`` as a list, or ``TypeError``/``ValueError`` naming the first bad key."""
+    keys = list(keys)
+    for j, k in enumerate(keys):
+        if not isinstance(k, bytes):
+            raise TypeError(f"keys[{j}] must be bytes, got {type(k).__name__}")
+        if not k:
+            raise ValueError(f"keys[{j}] is empty")
+    return keys
+
+
+def key_digests(keys: Sequence[bytes], salt: bytes | None = None) -> tuple[np.ndarray[Any, Any],
+                                                                           np.ndarray[Any, Any] | None]:
+    """Key ids of ``keys`` (``n x 32`` uint8) and, given the tenant ``salt``, their digests
+    (``n x 4`` little-endian u64 words), in one pass. Keys must be checked (``check_keys``)."""
+    n = len(keys)
+    ids = np.empty((n, DIGEST_BYTES), dtype=np.uint8)
+    words = np.empty((n, 4), dtype="<u8") if salt is not None else None
+    if n:
+        ends = np.fromiter(map(len, keys), dtype=np.uint64, count=n).cumsum(dtype=np.uint64)
+        blob = b"".join(keys)
+        LIB.kv_key_digests(_u8(blob), FFI.from_buffer("uint64_t[]", ends), n,
+                           _u8(salt) if salt is not None else FFI.NULL, len(salt) if salt is not None else 0,
+                           _u8(ids), _u8(words) if words is not None else FFI.NULL)
+    return ids, words
+
+
+def salted_words(ids: np.ndarray[Any, Any], salt: bytes) -> np.ndarray[Any, Any]:
+    """The digests of client key ids (``n x 32`` uint8) in the key space of ``salt``, as ``n x 4`` u64."""
+    ids = np.ascontiguousarray(ids, dtype=np.uint8).reshape(-1, DIGEST_BYTES)
+    out = np.empty((len(ids), 4), dtype="<u8")
+    if len(ids):
+        LIB.kv_salt_ids(_u8(ids), len(ids), _u8(salt), len(salt), _u8(out))
+    return out
+
+
+def key_id(key: bytes) -> bytes:
+    """The id a client sends for one ``key``."""
+    return bytes(key_digests(check_keys([key]))[0][0])

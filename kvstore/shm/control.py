@@ -1,0 +1,72 @@
+"""The control segment's layout: what the supervisor, its workers and its clients all map.
+
+In order, each part starting on a 64-byte boundary (docs/FORMAT.md "Control segment")::
+
+    slot table      slots x 48 B       (shm/slots.py; the supervisor writes)
+    index head      64 B: u64 seq      (odd while the key index is rebuilt; shm/index.py)
+    key index       capacity x 16 B    (shm/index.py; the supervisor writes)
+    reference bits  slots x 1 B        (CLOCK: set by whoever finds a page, cleared by the allocator)
+    arena states    arena_count x u32  (shm/arena.py; each buffer's current owner writes)
+
+Both sides compute it from the slot count and the arena size alone, so the hello only
+has to carry those two numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .arena import Arena
+from .index import ENTRY_DTYPE, INDEX_HEAD_BYTES, index_capacity
+from .slots import SLOT_DTYPE, slot_table
+
+
+def _up64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+@dataclass(frozen=True)
+class ControlLayout:
+    """Byte offsets of the parts of a control segment."""
+
+    slots: int
+    """Slot-table entries (every slot of every area of every device)."""
+    index_offset: int
+    """Offset of the index head; its entries follow it."""
+    index_capacity: int
+    """Entries in the key index (a power of two)."""
+    ref_offset: int
+    """Offset of the reference bits, one byte per slot."""
+    states_offset: int
+    """Offset of the arena buffer states."""
+    nbytes: int
+    """Size of the segment."""
+
+    @classmethod
+    def of(cls, slots: int, arena_count: int) -> ControlLayout:
+        """The layout for ``slots`` slots and an arena of ``arena_count`` buffers."""
+        cap = index_capacity(slots)
+        idx = _up64(slots * SLOT_DTYPE.itemsize)
+        ref = _up64(idx + INDEX_HEAD_BYTES + cap * ENTRY_DTYPE.itemsize)
+        states = _up64(ref + slots)
+        return cls(slots, idx, cap, ref, states, states + Arena.states_nbytes(arena_count))
+
+    def slot_table(self, buf: Any) -> np.ndarray[Any, Any]:
+        """The slot table in ``buf``."""
+        return slot_table(buf, 0, self.slots)
+
+    def index_seq(self, buf: Any) -> np.ndarray[Any, Any]:
+        """The index's seqlock word (a one-element u64 array) in ``buf``."""
+        return np.frombuffer(buf, dtype="<u8", count=1, offset=self.index_offset)
+
+    def index_entries(self, buf: Any) -> np.ndarray[Any, Any]:
+        """The key index's entries in ``buf``."""
+        return np.frombuffer(buf, dtype=ENTRY_DTYPE, count=self.index_capacity,
+                             offset=self.index_offset + INDEX_HEAD_BYTES)
+
+    def ref_bits(self, buf: Any) -> np.ndarray[Any, Any]:
+        """The reference bits in ``buf``."""
+        return np.frombuffer(buf, dtype=np.uint8, count=self.slots, offset=self.ref_offset)
