@@ -36,6 +36,20 @@ def test_block_boundaries_and_single_key() -> None:
     assert ids.shape == (0, 32) and words is None
 
 
+def test_large_batch_of_mixed_lengths() -> None:
+    """Batches run in chunks of 256 keys, 8 single-block keys per pass and longer keys one by one:
+    every key's digest lands at its own index whatever the mix."""
+    rng = np.random.default_rng(7)
+    keys = [rng.bytes(int(n)) for n in rng.choice([1, 32, 128, 129, 200, 1000], size=700)]
+    salt = rng.bytes(32)
+    ids, words = key_digests(keys, salt)
+    assert words is not None
+    for i, k in enumerate(keys):
+        want = hashlib.blake2b(k, digest_size=32).digest()
+        assert bytes(ids[i]) == want, i
+        assert words[i].tobytes() == hashlib.blake2b(want, digest_size=32, key=salt).digest(), i
+
+
 def test_bad_keys_are_named() -> None:
     with pytest.raises(TypeError, match=r"keys\[1\] must be bytes, got str"):
         check_keys([b"a", "b"])

@@ -12,13 +12,14 @@ rebuild parses real headers; the rest are holes. Per size it measures:
 * rebuild: the service's own report of its start-up header scan and indexing;
 * lookup: a 1,000-key batch through the client library (500 repetitions, half
   hits), and the index's vectorized lookup alone;
-* shared memory: bytes of the control segment (slot table + key index) per slot;
+* shared memory: bytes of the control segment (slot table, key index, reference bits) per slot;
 * resident memory (VmRSS) of the supervisor and of each I/O worker.
 
 Expected complexity: lookup O(batch), independent of the store size (a hash
-index); shared memory O(slots) at 48 bytes per slot-table entry plus 16 bytes
-per index entry, the index being the next power of two of twice the slots
-(32..64 bytes per slot); rebuild O(slots) (one 4 KiB read per slot).
+index read in the client); shared memory O(slots) at 48 bytes per slot-table
+entry, 16 bytes per index entry (the index being the next power of two of twice
+the slots: 32..64 bytes per slot) and a reference byte; rebuild O(slots) (one
+4 KiB read per slot).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvstore import KVCacheClient  # noqa: E402
 from kvstore.digests import key_id  # noqa: E402
 from kvstore.config import ServiceConfig, load_store  # noqa: E402
-from kvstore.shm.index import ENTRY_DTYPE, index_capacity  # noqa: E402
-from kvstore.shm.slots import SLOT_DTYPE  # noqa: E402
+from kvstore.shm.control import ControlLayout  # noqa: E402
 from kvstore.storage.device import read_superblock  # noqa: E402
 from kvstore.storage.header import SlotHeader  # noqa: E402
 from kvstore.testing import ServiceProcess, make_store  # noqa: E402
@@ -107,8 +107,8 @@ def run(slots: int, fill: int, base: Path) -> dict:
                     found = c.contains(batch)
                     lat.append(time.perf_counter() - t)
                     assert sum(found) == 500, "a filled key was not found"
-            cap = index_capacity(slots)
-            shm = slots * SLOT_DTYPE.itemsize + cap * ENTRY_DTYPE.itemsize
+            lay = ControlLayout.of(slots, 1000)
+            shm = lay.ref_offset + slots  # slot table, index, reference bits (the arena states excluded)
             rss = {"supervisor_mib": rss_kib(svc.pid) / 1024,
                    "workers_mib": [rss_kib(p) / 1024 for p in svc.worker_pids()]}
         finally:
