@@ -35,8 +35,12 @@ from .errors import (ClosedError, KVStoreError, NotAllowed, QuotaExceeded, Servi
                      ViewsInUse, WouldBlock)
 from .digests import check_keys, key_digests
 from .service import protocol as P
+from .ioworkers.aio import LIB
+from .ioworkers.protocol import ST_OK
 from .shm.control import ControlLayout
 from .shm.index import IndexReader
+from .shm.slots import VALID
+from .shm.stats import bucket_of
 from .shm import arena as A
 from .shm.segment import Segment, attach_semaphore, wait_semaphore
 
@@ -243,7 +247,7 @@ class KVCacheClient:
         self._control_seg = Segment.attach(hello["control"])
         self._arena = A.Arena(self._arena_seg.buf, self._control_seg.buf, hello["states_offset"],
                               hello["arena_count"], self.page_size)
-        self._chan = P.ClientChannel(self._seg.buf, self.max_batch)
+        self._chan = P.ClientChannel(self._seg.buf, self.max_batch, len(hello["areas"]))
         self._sem = attach_semaphore(hello["sem"])
         self._doorbell = attach_semaphore(hello["doorbell"])
         self._lease = range(hello["lease_start"], hello["lease_start"] + hello["lease_count"])
@@ -251,12 +255,19 @@ class KVCacheClient:
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
         self._salt: bytes = hello["salt"]
-        lay = ControlLayout.of(hello["slots"], hello["arena_count"])
+        lay = ControlLayout.of(hello["slots"], hello["arena_count"], hello["max_clients"])
         if lay.states_offset != hello["states_offset"] or lay.nbytes > self._control_seg.size:
             raise KVStoreError("the service's shared-memory layout is not this client's "
                                "(client and service of different kvstore versions?)")
         cb = self._control_seg.buf
-        self._index = IndexReader(lay.index_seq(cb), lay.index_entries(cb), lay.slot_table(cb), lay.ref_bits(cb))
+        self._slots = lay.slot_table(cb)
+        self._index = IndexReader(lay.index_seq(cb), lay.index_entries(cb), self._slots, lay.ref_bits(cb))
+        # where each slot is: areas device-major (shm/slots.py SlotMap), for direct reads
+        counts = [list(a) for a in hello["areas"]]
+        self._n_areas = len(counts[0])
+        self._area_bases = np.cumsum([0] + [c for dev in counts for c in dev])[:-1].astype(np.int64)
+        self._direct_state = A.tagged(A.DIRECT, hello["generation"])
+        self._wakes = [attach_semaphore(name) for name in hello["workers"]]
         self._lock = threading.Lock()
         self._seq = 1
         self._closed = False
@@ -336,6 +347,8 @@ class KVCacheClient:
         self._sock.close()
         self._sem.close()
         self._doorbell.close()
+        for w in self._wakes:
+            w.close()
         self._arena.release()
         for seg in (self._seg, self._arena_seg, self._control_seg):
             seg.close()
@@ -554,29 +567,123 @@ class KVCacheClient:
         deadline = self._deadline(timeout)
         with self._lock:
             self._check_open()
-            n = len(keys)
-            ids, _ = key_digests(keys)
-            d = self._acquire(deadline)
-            self._keys(d, ids, 0, n)
-            bufs = self._alloc(n, deadline)
-            d.bufs[:n] = bufs
-            for b in bufs:
-                self._arena.set_state(b, A.SERVICE)
-            _, res = self._call(d, P.OP_GET, n, 0, deadline, bufs)
-            views: list[memoryview | None] = []
-            held: list[tuple[int, Any]] = []
-            for j, b in enumerate(bufs):
-                if int(res[j]) == P.R_HIT and self._arena.state(b) == A.CLIENT:
-                    page = self._arena.payload_array(b).view(_PageArray)
-                    page.flags.writeable = False
-                    page._owner = self
-                    views.append(memoryview(page))  # type: ignore[arg-type]
-                    held.append((b, weakref.ref(page)))
+            t0 = time.monotonic()
+            ids, words = key_digests(keys, self._salt)
+            assert words is not None
+            gids = self._index.lookup(words)
+            if gids is None:  # the index kept being rebuilt under us: the service reads instead
+                return self._get_service(ids, deadline)
+            return self._get_direct(words, gids, deadline, t0)
+
+    def _views(self, bufs: list[int], ok: Sequence[bool]) -> PageBatch:
+        """The batch over ``bufs`` whose reads succeeded (``ok``); the other buffers go back."""
+        views: list[memoryview | None] = []
+        held: list[tuple[int, Any]] = []
+        for j, b in enumerate(bufs):
+            if ok[j] and self._arena.state(b) == A.CLIENT:
+                page = self._arena.payload_array(b).view(_PageArray)
+                page.flags.writeable = False
+                page._owner = self
+                views.append(memoryview(page))  # type: ignore[arg-type]
+                held.append((b, weakref.ref(page)))
+            else:
+                views.append(None)
+                if self._arena.state(b) == A.CLIENT:
+                    self._arena.set_state(b, A.FREE)
+        return PageBatch(self, views, held)
+
+    def _get_service(self, ids: np.ndarray[Any, Any], deadline: float) -> PageBatch:
+        """A get the supervisor carries out (caller holds the lock)."""
+        n = len(ids)
+        d = self._acquire(deadline)
+        self._keys(d, ids, 0, n)
+        bufs = self._alloc(n, deadline)
+        d.bufs[:n] = bufs
+        for b in bufs:
+            self._arena.set_state(b, A.SERVICE)
+        _, res = self._call(d, P.OP_GET, n, 0, deadline, bufs)
+        return self._views(bufs, (res == P.R_HIT).tolist())
+
+    def _get_direct(self, words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], deadline: float,
+                    t0: float) -> PageBatch:
+        """A get without the supervisor: pin the slots found, post the reads straight to the device
+        workers' rings in our segment, wait for the workers' answers (caller holds the lock).
+        The protocol is in service/protocol.py; the workers validate every page exactly as
+        for the supervisor's reads."""
+        n = len(words)
+        ch = self._chan
+        bufs = self._alloc(n, deadline)
+        lease0 = self._lease.start
+        hit = np.nonzero(gids >= 0)[0]
+        lb = np.asarray(bufs, dtype=np.int64)[hit] - lease0
+        g = gids[hit]
+        ch.pins[lb] = g
+        LIB.kv_fence()  # pin, then look: the supervisor retires, then looks at the pins
+        s = self._slots[g]
+        w = words[hit]
+        ok = ((s["state"] == VALID) & (s["d0"] == w[:, 0]) & (s["d1"] == w[:, 1]) & (s["d2"] == w[:, 2])
+              & (s["d3"] == w[:, 3]))
+        ch.pins[lb[~ok]] = -1  # changed since the index said so: a miss
+        posted: list[tuple[int, int, int]] = []  # (row, lease buffer, seq)
+        wake: set[int] = set()
+        if ok.any():
+            rows, lbs, gs = hit[ok], lb[ok], g[ok]
+            k = np.searchsorted(self._area_bases, gs, side="right") - 1
+            dev, area, slot = k // self._n_areas, k % self._n_areas, gs - self._area_bases[k]
+            gens, lens = s["gen"][ok], s["length"][ok]
+            for j in range(len(rows)):
+                b, dv = int(lbs[j]), int(dev[j])
+                seq = self._seq
+                self._seq += 1
+                ch.dseq[b] = seq
+                ch.ddev[b] = dv
+                self._arena.set_state(lease0 + b, self._direct_state)  # the worker's from here on
+                try:
+                    ch.direct[dv].put_nowait((seq, b, int(area[j]), int(lens[j]), int(slot[j]), int(gens[j]),
+                                              *(int(x) for x in w[ok][j])))
+                except WouldBlock:  # stale records fill the ring (its worker is not taking them)
+                    self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT)
+                    ch.pins[b] = -1
+                    continue
+                posted.append((int(rows[j]), b, seq))
+                wake.add(dv)
+        for dv in wake:
+            self._wakes[dv].release()
+        good = [False] * n
+        waiting = list(posted)
+        while waiting:
+            left = []
+            for row, b, seq in waiting:
+                if self._arena.state(lease0 + b) == A.CLIENT and ch.done_seq(b) == seq:
+                    good[row] = int(ch.wstat[b]) == ST_OK
+                    ch.pins[b] = -1
                 else:
-                    views.append(None)
-                    if self._arena.state(b) == A.CLIENT:
-                        self._arena.set_state(b, A.FREE)
-            return PageBatch(self, views, held)
+                    left.append((row, b, seq))
+            waiting = left
+            if not waiting:
+                break
+            self._check_service()
+            rest = deadline - time.monotonic()
+            if rest <= 0:
+                for _row, b, _seq in waiting:
+                    if self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT):
+                        ch.pins[b] = -1  # the worker had not taken it: ours again, and free below
+                        self._arena.set_state(lease0 + b, A.FREE)
+                    else:  # being read: the worker hands it back (and unpins it) when done
+                        self._orphans.add(lease0 + b)
+                for _row, b, _seq in waiting:
+                    bufs.remove(lease0 + b)
+                self._views(bufs, [False] * len(bufs)).release()
+                raise Timeout("the device workers did not finish the reads within the timeout; "
+                              "treat these pages as misses")
+            wait_semaphore(self._sem, min(rest, 0.05))
+        batch = self._views(bufs, good)
+        c = ch.counters
+        c[P.C_GETS] += 1
+        c[P.C_GET_KEYS] += n
+        c[P.C_GET_MISSES] += n - batch.hits
+        c[P.C_HIST + bucket_of(time.monotonic() - t0)] += 1
+        return batch
 
     def put(self, keys: Sequence[bytes], pages: Sequence[Any], *, wait: bool = False,
             timeout: float | None = None) -> PutResult:

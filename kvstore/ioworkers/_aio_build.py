@@ -43,6 +43,7 @@ uint32_t kv_load_acquire_u32(const uint32_t *p);
 void kv_store_release_u32(uint32_t *p, uint32_t v);
 int kv_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired);
 uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v);
+void kv_fence(void);
 
 void kv_key_digests(const uint8_t *blob, const uint64_t *ends, int64_t n, const uint8_t *salt,
                     size_t saltlen, uint8_t *ids_out, uint8_t *salted_out);
@@ -121,6 +122,9 @@ int kv_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired) {
     return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+/* A full fence: the two sides of a pin (a reader's "pin, then check the slot" against the
+   supervisor's "retire, then check the pins") each need their store ordered before their load. */
+void kv_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 """
 # key digests (BLAKE2b) and the lock-free key-index reader: their own file, for their own concern
 SOURCE += Path(__file__).with_name("_keys.c").read_text()

@@ -40,15 +40,21 @@ IO_REQUEST = np.dtype([
 ])
 assert IO_REQUEST.itemsize == 96
 
-#: worker -> supervisor, 32 bytes
+# kind of a completion
+K_SUPERVISOR = 0      # the supervisor's request ``tag``
+K_DIRECT = 1          # a report of a client's direct read (tag 0; already answered to the client)
+
+#: worker -> supervisor, 48 bytes
 IO_COMPLETION = np.dtype([
     ("tag", "<u8"),
     ("result", "<i8"),     # bytes transferred or -errno
     ("status", "<i4"),     # ST_*
-    ("pad", "<u4"),
+    ("kind", "<u4"),       # K_*
     ("latency_ns", "<u8"),
+    ("gen", "<u8"),        # K_DIRECT: the generation the read expected
+    ("where", "<u8"),      # K_DIRECT: area << 40 | slot
 ])
-assert IO_COMPLETION.itemsize == 32
+assert IO_COMPLETION.itemsize == 48
 
 REQUEST_RING = 1024
 DONE_RING = 1024

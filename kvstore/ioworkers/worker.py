@@ -6,12 +6,23 @@ can wait; and a deep write queue in the device is read latency):
 1. reap completions without blocking and report them on the ``done`` ring;
 2. take reads from the ``reads`` ring while fewer than ``read_depth`` are
    outstanding;
-3. take writes only when the ``reads`` ring is empty, and only while fewer
-   than ``max_inflight_writes`` are outstanding;
+3. take writes only when no read waits (the ``reads`` ring and the clients'
+   direct-read rings are empty), and only while fewer than
+   ``max_inflight_writes`` are outstanding;
 4. submit all of it in one ``io_submit``;
 5. with nothing new to do: wait for a completion (100 us at most, so new
    reads are picked up soon) or, when nothing is outstanding, for the
    supervisor's wake-up semaphore (50 ms at most, then check the parent is alive).
+
+Clients' direct reads (gets that bypass the supervisor) come on one ring per
+connection per device, in the connection's segment; the worker finds the
+connections in the control segment's connection table, serves their rings in
+step 2 with the supervisor's reads, answers the client itself (result words in
+the connection segment, the buffer handed back, the client's semaphore
+posted) and then reports the read to the supervisor on ``done`` for its
+statistics, hints and dropping locations that fail validation: if that ring is
+full (the supervisor stalled), the report is dropped, the client's read is not
+held up.
 
 Writes: the worker writes the slot header into the buffer's header block
 (checksum of the payload computed here, in parallel per device) and writes
@@ -32,13 +43,19 @@ from typing import Any
 import structlog
 import xxhash
 
+import numpy as np
+
+from ..errors import WouldBlock
+from ..service import protocol as P
+from ..shm import arena as A
 from ..shm.arena import Arena
+from ..shm.control import CONN_DTYPE
 from ..shm.segment import Segment, attach_semaphore, wait_semaphore
 from ..shm.stats import D, StatsBlock
 from ..storage.header import HEADER_BLOCK, HEADER_SIZE, SlotHeader
 from .aio import AioContext
-from .protocol import (IO_COMPLETION, OP_READ, ST_BAD_CHECKSUM, ST_BAD_HEADER, ST_IO_ERROR,
-                       ST_OK, WorkerRings)
+from .protocol import (IO_COMPLETION, IO_REQUEST, K_DIRECT, K_SUPERVISOR, OP_READ, ST_BAD_CHECKSUM,
+                       ST_BAD_HEADER, ST_IO_ERROR, ST_OK, WorkerRings)
 
 _ZERO_TAIL = bytes(HEADER_BLOCK - HEADER_SIZE)
 
@@ -64,7 +81,43 @@ class WorkerParams:
     direct: bool = True
     store: str = ""
     server: str = ""
+    conns_offset: int = 0
+    """Offset of the connection table in the control segment (0 with ``max_clients`` 0: no direct reads)."""
+    max_clients: int = 0
+    conn_prefix: str = ""
+    """Connection ``cid``'s segment is ``conn_prefix + str(cid)``, its semaphore that plus ``.s``."""
+    n_devices: int = 1
+    slot_size: int = 0
+    area_offsets: tuple[int, ...] = ()
+    area_slots: tuple[int, ...] = ()
 
+
+DIRECT_TAG = 1 << 62  # tags of direct reads: never one of the supervisor's (it counts up from 1)
+
+
+class _Conn:
+    """A client connection whose direct reads this worker serves."""
+
+    def __init__(self, p: WorkerParams, cid: int, entry: Any) -> None:
+        self.cid = cid
+        self.gen = int(entry["gen"])
+        self.lease_start = int(entry["lease_start"])
+        self.lease_count = int(entry["lease_count"])
+        self.seg = Segment.attach(p.conn_prefix + str(cid))
+        try:
+            self.chan = P.ClientChannel(self.seg.buf, self.lease_count, p.n_devices)
+            self.sem = attach_semaphore(p.conn_prefix + f"{cid}.s")
+        except BaseException:
+            self.seg.close()
+            raise
+        self.ring = self.chan.direct[p.device_index]
+        self.inflight = 0
+        self.gone = False
+
+    def close(self) -> None:
+        self.sem.close()
+        del self.ring, self.chan
+        self.seg.close()
 
 class Worker:
     """State of a running worker; see the module docstring for the loop."""
@@ -83,7 +136,8 @@ class Worker:
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if p.direct else 0)
         self.fd = os.open(p.device_path, flags)
         self.ctx = AioContext(p.read_depth + p.max_inflight_writes, p.device_path)
-        self.pending: dict[int, tuple[Any, int]] = {}  # tag -> (request record, submit ns)
+        # tag -> (request record, submit ns, (connection, lease buffer, seq) of a direct read or None)
+        self.pending: dict[int, tuple[Any, int, tuple[_Conn, int, int] | None]] = {}
         self.reads_inflight = 0
         self.writes_inflight = 0
         self.stop = False
@@ -92,6 +146,99 @@ class Worker:
         self.row = self.stats.device[d]
         self.h_read = 1 + 2 * d
         self.h_write = 2 + 2 * d
+        self.conn_table = (np.frombuffer(self.control_seg.buf, dtype=CONN_DTYPE, count=p.max_clients,
+                                         offset=p.conns_offset) if p.max_clients else None)
+        self.conns: dict[int, _Conn] = {}
+        self._conn_gens = np.zeros(p.max_clients, dtype=np.uint64)
+        self._leaving: list[_Conn] = []   # gone from the table, still with reads in flight
+        self.next_direct = DIRECT_TAG
+        self.reports_dropped = 0
+
+    # ---- direct reads -------------------------------------------------------------------
+    def _poll_conns(self) -> None:
+        """Follow the connection table: attach new connections, let go of ended ones."""
+        if self.conn_table is None:
+            return
+        gens = self.conn_table["gen"].copy()
+        if np.array_equal(gens, self._conn_gens):
+            return
+        for cid in np.nonzero(gens != self._conn_gens)[0].tolist():
+            old = self.conns.pop(cid, None)
+            if old is not None:
+                old.gone = True
+                self._leaving.append(old)
+            if int(gens[cid]):
+                try:
+                    self.conns[cid] = _Conn(self.p, cid, self.conn_table[cid])
+                except (OSError, ValueError):
+                    pass  # already gone again (its segment unlinked): the table will say so
+        self._conn_gens = gens
+        self._close_left()
+
+    def _close_left(self) -> None:
+        keep = []
+        for c in self._leaving:
+            if c.inflight:
+                keep.append(c)
+            else:
+                c.close()
+        self._leaving = keep
+
+    def _take_direct(self, room: int, now: int, batch: list[tuple[int, int, Any, int, int, int]]) -> int:
+        """Take up to ``room`` direct reads from the connections' rings; returns how many."""
+        p = self.p
+        taken = 0
+        for c in list(self.conns.values()):
+            if taken >= room:
+                break
+            for r in c.ring.get_batch(room - taken):
+                b, area, slot, n = int(r["buf"]), int(r["area"]), int(r["slot"]), int(r["payload_len"])
+                if not (b < c.lease_count and area < len(p.area_offsets) and slot < p.area_slots[area]
+                        and 0 < n <= p.page_size):
+                    continue  # a record no honest client writes: nothing is read for it
+                i = c.lease_start + b
+                if not self.arena.cas_state(i, A.tagged(A.DIRECT, c.gen), A.tagged(A.READING, c.gen)):
+                    continue  # taken back by the client (timed out), or not this connection's to give
+                if int(c.chan.dseq[b]) != int(r["seq"]):
+                    # a stale record (its read was taken back) for a buffer posted again since:
+                    # leave the buffer to the record of the read it is posted for now
+                    self.arena.set_state(i, A.tagged(A.DIRECT, c.gen))
+                    continue
+                tag = self.next_direct
+                self.next_direct += 1
+                rec = np.zeros((), dtype=IO_REQUEST)
+                rec["tag"], rec["op"], rec["buf"] = tag, OP_READ, i
+                rec["offset"] = p.area_offsets[area] + slot * p.slot_size
+                rec["length"] = HEADER_BLOCK + (n + 4095) // 4096 * 4096
+                rec["gen"], rec["area"], rec["slot"], rec["payload_len"] = r["gen"], area, slot, n
+                for w in ("d0", "d1", "d2", "d3"):
+                    rec[w] = r[w]
+                self.pending[tag] = (rec, now, (c, b, int(r["seq"])))
+                c.inflight += 1
+                batch.append((0, self.fd, self.arena.address(i), int(rec["length"]), int(rec["offset"]), tag))
+                self.reads_inflight += 1
+                taken += 1
+        return taken
+
+    def _answer_direct(self, r: Any, who: tuple[_Conn, int, int], status: int, result: int, lat: int) -> None:
+        """Hand a direct read's result to its client, then report it to the supervisor."""
+        c, b, seq = who
+        c.chan.pins[b] = -1  # the page is in the buffer: retiring its slot may go on
+        c.chan.set_done(b, seq, status)
+        self.arena.set_state(int(r["buf"]), A.CLIENT)
+        c.inflight -= 1
+        try:
+            c.sem.release()
+        except Exception:
+            pass  # the semaphore is gone with the client: nothing to wake
+        rec = (0, result, status, K_DIRECT, lat, int(r["gen"]), int(r["area"]) << 40 | int(r["slot"]))
+        try:
+            self.rings.done.put_nowait(rec)
+            self.doorbell.release()
+        except WouldBlock:
+            self.reports_dropped += 1  # the supervisor is behind: its statistics miss this read
+        if c.gone and not c.inflight:
+            self._close_left()
 
     def _prepare_write(self, r: Any) -> None:
         i = int(r["buf"])
@@ -117,7 +264,7 @@ class Worker:
         return ST_OK
 
     def _complete(self, tag: int, result: int) -> None:
-        r, t0 = self.pending.pop(tag)
+        r, t0, who = self.pending.pop(tag)
         lat = time.monotonic_ns() - t0
         is_read = int(r["op"]) == OP_READ
         row = self.row
@@ -137,7 +284,9 @@ class Worker:
                 row[D["writes"]] += 1
                 row[D["write_bytes"]] += result
         self.stats.observe(self.h_read if is_read else self.h_write, lat / 1e9)
-        rec = (tag, result, status, 0, lat)
+        if who is not None:
+            return self._answer_direct(r, who, status, result, lat)
+        rec = (tag, result, status, K_SUPERVISOR, lat, 0, 0)
         while True:
             try:
                 self.rings.done.put(rec, 1.0)
@@ -157,16 +306,19 @@ class Worker:
         if room > 0:
             for r in self.rings.reads.get_batch(room):
                 tag = int(r["tag"])
-                self.pending[tag] = (r, now)
+                self.pending[tag] = (r, now, None)
                 batch.append((0, self.fd, self.arena.address(int(r["buf"])), int(r["length"]),
                               int(r["offset"]), tag))
                 self.reads_inflight += 1
+            room = self.p.read_depth - self.reads_inflight
+            if room > 0 and self.conns:
+                self._take_direct(room, now, batch)
         room = self.p.max_inflight_writes - self.writes_inflight
-        if room > 0 and len(self.rings.reads) == 0:
+        if room > 0 and len(self.rings.reads) == 0 and not any(len(c.ring) for c in self.conns.values()):
             for r in self.rings.writes.get_batch(room):
                 tag = int(r["tag"])
                 self._prepare_write(r)
-                self.pending[tag] = (r, now)
+                self.pending[tag] = (r, now, None)
                 batch.append((1, self.fd, self.arena.address(int(r["buf"])), int(r["length"]),
                               int(r["offset"]), tag))
                 self.writes_inflight += 1
@@ -193,6 +345,7 @@ class Worker:
         row = self.row
         while not self.stop:
             progressed = False
+            self._poll_conns()
             if self.ctx.outstanding:
                 for c in self.ctx.getevents(0, 256, 0):
                     self._complete(c.tag, c.result)
@@ -228,6 +381,8 @@ class Worker:
 
     def close(self) -> None:
         """Release the context, the device and the mappings."""
+        for c in list(self.conns.values()) + self._leaving:
+            c.close()
         self.ctx.close()
         os.close(self.fd)
         self.arena.release()

@@ -105,10 +105,14 @@ class Allocator:
 
     def __init__(self, slots: np.ndarray[Any, Any], own: Sequence[range], gens: Sequence[Generations],
                  grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 on_retire: Callable[[int], None] | None = None, ref: np.ndarray[Any, Any] | None = None) -> None:
+                 on_retire: Callable[[int], None] | None = None, ref: np.ndarray[Any, Any] | None = None,
+                 reading: Callable[[int], bool] | None = None) -> None:
         """``own[d]`` is the gid range of this server's area on device ``d``; ``on_retire(gid)``
         is told of every tombstone (the sync agent publishes it); ``ref``: the CLOCK reference
-        bits, one byte per slot (in shared memory, where clients' lookups set them; private if None)."""
+        bits, one byte per slot (in shared memory, where clients' lookups set them; private if None);
+        ``reading(gid)``: whether a client's direct read pins the slot (a retired slot is reused
+        only once it is neither pinned here nor there)."""
+        self.reading = reading
         self.slots = slots
         self.own = list(own)
         self.gens = list(gens)
@@ -175,7 +179,7 @@ class Allocator:
             if ready > now:
                 return -1  # FIFO with one grace: later entries are not ready either
             q.popleft()
-            if self.pins[gid] == 0:
+            if self.pins[gid] == 0 and (self.reading is None or not self.reading(gid)):
                 return gid
             q.append((gid, now))  # still pinned: look again later
         return -1

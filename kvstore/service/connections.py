@@ -192,7 +192,9 @@ class Conn:
     held: set[int] = field(default_factory=set)      # descriptors the service took and has not answered
     inuse: set[int] = field(default_factory=set)     # buffers the service holds for this connection
     rejected: int = 0       # requests refused as malformed
-    counted: tuple[int, int] = (0, 0)  # the client's lookup counters as last added to the stats
+    generation: int = 0     # unique per connection in this service run (the workers' connection table)
+    counted: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(P.COUNTERS_WORDS, dtype=np.uint64))
+    """The client's counters as last added to the stats."""
 
     @property
     def pid(self) -> int:

@@ -34,8 +34,29 @@ Connection segment layout (``ClientChannel``)::
                      lengths  max_batch x u32: payload bytes per key (put)
                      results  max_batch x i32: R_* per key (written by the service when it answers)
                  each padded to a multiple of 64 bytes
-    counters     64 bytes, written by the client only: u64 lookups, u64 lookup keys
-                 (answered in the client; the service adds them to its stats)
+    counters     COUNTERS_WORDS u64, written by the client only (the service adds what they
+                 grew by to its stats): lookups, keys looked up, gets, keys asked for in
+                 gets, pages missed in gets, then HIST_BUCKETS of direct-get latency
+    direct       per device, a Ring of DIRECT_REQ (capacity: max_batch rounded up to a
+                 power of two), client -> that device's I/O worker
+    per buffer of the lease (max_batch each):
+                 pins   i64  client: slot (gid) its direct read into this buffer pins, -1 none
+                 dseq   u64  client: seq of the direct read posted into this buffer
+                 ddev   u32  client: device of that read
+                 wstat  i32  worker: status of the read (ST_* of ioworkers/protocol.py)
+                 wseq   u64  worker: seq of the read ``wstat`` is for (store-release)
+
+Direct reads (gets that bypass the supervisor; see client.py ``_get_direct``): the client
+finds the slot in the shared index, pins it (``pins``, a full fence, then it checks the
+slot is still the one it found: the supervisor retires, fences, and checks ``pins``
+before it reuses a slot, so one of the two sees the other), hands the buffer over by
+setting its arena state to DIRECT tagged with the connection's generation, and posts a
+DIRECT_REQ to the device's ring. The worker takes the buffer with a compare-and-swap
+DIRECT -> READING (the generation must match: a record left by a connection that is
+gone cannot take a buffer of the next one), reads, validates exactly as for the
+supervisor's reads, writes ``wstat`` and ``wseq``, sets the state CLIENT and posts the
+client's semaphore. A client that times out takes back a buffer the worker has not taken
+yet (the same compare-and-swap, DIRECT -> CLIENT); one being read stays the worker's.
 
 Ownership (the invariant the first version lacked): a descriptor belongs to
 exactly one side at a time, named by its ``state`` word (store-release to hand
@@ -74,7 +95,21 @@ VERSION = 3
 MAX_FRAME = 1 << 16
 HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
 NDESC = 8                # request descriptors per connection (requests in flight, timed-out ones included)
-COUNTERS_BYTES = 64      # the connection's client-written counters, after the descriptors
+HIST_BUCKETS = 32        # as the stats block's histograms
+COUNTERS_WORDS = 5 + HIST_BUCKETS  # client-written counters, after the descriptors
+C_LOOKUPS, C_LOOKUP_KEYS, C_GETS, C_GET_KEYS, C_GET_MISSES, C_HIST = range(6)
+
+#: client -> I/O worker: one direct read, 64 bytes
+DIRECT_REQ = np.dtype([
+    ("seq", "<u8"),          # the client's sequence number for this read (echoed in wseq)
+    ("buf", "<u2"),          # buffer index within the connection's lease
+    ("area", "<u2"),         # area of the slot on the worker's device
+    ("payload_len", "<u4"),  # payload bytes the slot table gives for the slot
+    ("slot", "<u8"),         # slot index in the area
+    ("gen", "<u8"),          # generation the client found in the slot table
+    ("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"),  # salted key digest expected
+])
+assert DIRECT_REQ.itemsize == 64
 
 OP_LOOKUP = 1
 OP_GET = 2
@@ -177,10 +212,18 @@ class Descriptor:
         LIB.kv_store_release_u32(self._cancel, v)
 
 
-class ClientChannel:
-    """Views over one connection's segment (both sides build the same views)."""
+def direct_capacity(max_batch: int) -> int:
+    """Records of one direct-read ring: ``max_batch`` rounded up to a power of two."""
+    cap = 1
+    while cap < max_batch:
+        cap *= 2
+    return cap
 
-    def __init__(self, buf: Any, max_batch: int) -> None:
+
+class ClientChannel:
+    """Views over one connection's segment (client, supervisor and workers build the same views)."""
+
+    def __init__(self, buf: Any, max_batch: int, n_devices: int) -> None:
         self.max_batch = max_batch
         base = FFI.from_buffer(buf)
         self._keep = base
@@ -190,13 +233,41 @@ class ClientChannel:
         for i in range(NDESC):
             self.desc.append(Descriptor(buf, base, o, max_batch, i))
             o += Descriptor.nbytes(max_batch)
-        self.counters = np.frombuffer(buf, dtype="<u8", count=2, offset=o)
-        """[lookups, lookup keys] answered in the client (one writer: the client)."""
+        self.counters = np.frombuffer(buf, dtype="<u8", count=COUNTERS_WORDS, offset=o)
+        """See the module doc (one writer: the client)."""
+        o += _round64(8 * COUNTERS_WORDS)
+        cap = direct_capacity(max_batch)
+        self.direct: list[Ring] = []
+        for _ in range(n_devices):
+            self.direct.append(Ring(buf, o, cap, DIRECT_REQ))
+            o += Ring.nbytes(cap, DIRECT_REQ)
+        self.pins = np.frombuffer(buf, dtype="<i8", count=max_batch, offset=o)
+        o += _round64(8 * max_batch)
+        self.dseq = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
+        o += _round64(8 * max_batch)
+        self.ddev = np.frombuffer(buf, dtype="<u4", count=max_batch, offset=o)
+        o += _round64(4 * max_batch)
+        self.wstat = np.frombuffer(buf, dtype="<i4", count=max_batch, offset=o)
+        o += _round64(4 * max_batch)
+        self._wseq_off = o
+        self.wseq = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
+        self._wseq = FFI.cast("uint64_t *", base + o)
+
+    def done_seq(self, b: int) -> int:
+        """The seq of the direct read whose result ``wstat[b]`` holds (load-acquire)."""
+        return int(LIB.kv_load_acquire_u64(self._wseq + b))
+
+    def set_done(self, b: int, seq: int, status: int) -> None:
+        """Worker: publish the result of the direct read ``seq`` into lease buffer ``b``."""
+        self.wstat[b] = status
+        LIB.kv_store_release_u64(self._wseq + b, seq)
 
     @staticmethod
-    def nbytes(max_batch: int) -> int:
+    def nbytes(max_batch: int, n_devices: int) -> int:
         """Size of a connection segment."""
-        return Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch) + COUNTERS_BYTES
+        return (Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch) + _round64(8 * COUNTERS_WORDS)
+                + n_devices * Ring.nbytes(direct_capacity(max_batch), DIRECT_REQ)
+                + 2 * _round64(8 * max_batch) + 2 * _round64(4 * max_batch) + _round64(8 * max_batch))
 
 
 def encode_frame(obj: dict[str, Any]) -> bytes:

@@ -42,7 +42,8 @@ import structlog
 from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AlreadyRunning, KVStoreError, NotAllowed
 from ..logging import recent_warnings
-from ..ioworkers.protocol import (IO_REQUEST, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
+from ..ioworkers.aio import LIB
+from ..ioworkers.protocol import (IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
 from ..crdt.agent import AgentParams, Peer, agent_main
 from ..crdt.keys import keypair_for, load_keypair
@@ -126,6 +127,7 @@ class Supervisor:
         self.pending: dict[int, Op] = {}
         self.writing: dict[bytes, int] = {}
         self.next_tag = 1
+        self.conn_gen = 0
         self.rr = 0
         self.lsock: socket.socket | None = None
         self.zombies: list[tuple[Any, list[tuple[Conn, int]]]] = []
@@ -207,10 +209,12 @@ class Supervisor:
             if self.arena_count > REQUEST_RING:
                 raise ValueError(f"max_clients x client_buffers must be <= {REQUEST_RING}, "
                                  f"got {self.arena_count}")
-            lay = ControlLayout.of(total, self.arena_count)
+            lay = ControlLayout.of(total, self.arena_count, cfg.service.max_clients)
+            self.layout = lay
             self.states_off = lay.states_offset
             ctl = self._segment("control", lay.nbytes)
             self.slots = lay.slot_table(ctl.buf)
+            self.conn_table = lay.connections(ctl.buf)
             arena_seg = self._segment("arena", self.arena_count * A.buffer_size(cfg.page_size))
             self.arena = A.Arena(arena_seg.buf, ctl.buf, self.states_off, self.arena_count, cfg.page_size)
             st = self._segment("stats", stats_nbytes(len(cfg.devices)))
@@ -231,7 +235,8 @@ class Supervisor:
             for r in self.own:
                 self.local[r.start:r.stop] = True
             self.alloc = Allocator(self.slots, self.own, gens, cfg.service.retire_grace_s,
-                                   on_retire=self._on_retire, ref=lay.ref_bits(ctl.buf))
+                                   on_retire=self._on_retire, ref=lay.ref_bits(ctl.buf),
+                                   reading=self._clients_reading)
             self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
                           seconds=round(rep.seconds, 3))
             for d, path in enumerate(cfg.devices):
@@ -408,7 +413,11 @@ class Supervisor:
             states_offset=self.states_off, worker_segment=self.prefix + f"w{w.device}",
             stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=w.wake_name,
             read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes,
-            store=cfg.name, server=self.server)
+            store=cfg.name, server=self.server, conns_offset=self.layout.conns_offset,
+            max_clients=self.layout.max_clients, conn_prefix=self.prefix + "c", n_devices=len(self.workers),
+            slot_size=self.sbs[w.device].slot_size,
+            area_offsets=tuple(a.offset for a in self.sbs[w.device].areas),
+            area_slots=tuple(a.slot_count for a in self.sbs[w.device].areas))
         w.proc = self._mp.Process(target=worker_main, args=(params,), daemon=True,
                                   name=f"kvstore-io-{cfg.name}-{w.device}")
         w.proc.start()
@@ -542,12 +551,18 @@ class Supervisor:
         for i in range(start, start + nb):
             if self.arena.state(i) != A.QUARANTINE:  # a hung worker's buffers stay out until it is reaped
                 self.arena.set_state(i, A.FREE)
-        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb), self.mode, self.group)
+        ndev = len(self.workers)
+        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb, ndev), self.mode, self.group)
         sem_name = self.prefix + f"c{cid}.s"
         sem = create_semaphore(sem_name, self.mode, self.group)
+        self.conn_gen += 1
         tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
-        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb), sem, sem_name, start, nb, cred, salt, tenant, tid)
+        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb, ndev), sem, sem_name, start, nb, cred, salt, tenant,
+                    tid, generation=self.conn_gen)
+        conn.chan.pins[:] = -1
         self.conns[cid] = conn
+        # the workers serve its direct reads from now on (the segment and semaphore exist)
+        self.conn_table[cid] = (self.conn_gen, start, nb)
         try:
             s.send(P.encode_frame({
                 "v": P.VERSION, "ok": True, "client_id": cid, "page_size": self.cfg.page_size, "max_batch": nb,
@@ -555,7 +570,9 @@ class Supervisor:
                 "control": self.prefix + "control", "states_offset": self.states_off,
                 "arena_count": self.arena_count, "segment": seg.name, "sem": sem_name,
                 "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": self.cfg.name,
-                "slots": self.smap.total, "salt": salt,
+                "slots": self.smap.total, "salt": salt, "max_clients": self.layout.max_clients,
+                "generation": self.conn_gen, "areas": [[a.slot_count for a in sb.areas] for sb in self.sbs],
+                "workers": [w.wake_name for w in self.workers],
                 "server": self.server, "stats": self.prefix + "stats", "tenant": tenant}))
         except OSError as e:  # a fresh socket's buffer takes a hello answer; failing here means it is gone
             conn.alive = False
@@ -587,20 +604,38 @@ class Supervisor:
                 conn.alive = False
                 s.close()
         for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
-            self._drop_conn(conn)
+            if self._direct_settled(conn):
+                self._drop_conn(conn)
+
+    def _direct_settled(self, conn: Conn) -> bool:
+        """Whether no worker can still read into the gone client's buffers: take back those
+        handed over for direct reads and not taken yet; False while one is being read."""
+        busy = False
+        for b in range(conn.lease_start, conn.lease_start + conn.lease_count):
+            st = self.arena.state(b)
+            if A.kind(st) == A.DIRECT:
+                self.arena.cas_state(b, st, A.FREE)  # fails only if the worker took it just now
+                st = self.arena.state(b)
+            busy |= A.kind(st) == A.READING
+        return not busy
 
     def _count_lookups(self, conn: Conn) -> None:
-        """Add the lookups a client answered itself since last time to the stats. The words are
-        the client's: an increment that goes backwards or is implausibly large is ignored."""
-        now = (int(conn.chan.counters[0]), int(conn.chan.counters[1]))
-        was = conn.counted
-        if was[0] <= now[0] <= was[0] + (1 << 32) and was[1] <= now[1] <= was[1] + (1 << 40):
-            self.stats.add("lookups", now[0] - was[0])
-            self.stats.add("lookup_keys", now[1] - was[1])
-            conn.counted = now
+        """Add what a client answered itself since last time (lookups, direct gets) to the stats.
+        The words are the client's: an increment that goes backwards or is implausibly large is
+        ignored (and not counted later either)."""
+        now = conn.chan.counters.copy()
+        delta = now - conn.counted
+        if (now >= conn.counted).all() and (delta < (1 << 40)).all():
+            for name, i in (("lookups", P.C_LOOKUPS), ("lookup_keys", P.C_LOOKUP_KEYS), ("gets", P.C_GETS),
+                            ("misses", P.C_GET_MISSES)):
+                if delta[i]:
+                    self.stats.add(name, int(delta[i]))
+            self.stats.hist[0] += delta[P.C_HIST:P.C_HIST + P.HIST_BUCKETS]
+        conn.counted = now
 
     def _drop_conn(self, conn: Conn) -> None:
         self._count_lookups(conn)
+        self.conn_table[conn.id]["gen"] = 0  # workers let go of its segment
         del self.conns[conn.id]
         conn.alive = False
         for b in list(conn.inuse):  # e.g. a put answered early whose write failed to dispatch
@@ -816,18 +851,7 @@ class Supervisor:
                 self.stats.add("misses")
                 if status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
                     self.stats.add("validation_failures")
-                    # drop the location only if the slot still holds what we read (not rewritten since)
-                    if int(self.slots["gen"][op.gid]) == op.gen and self.slots["state"][op.gid] == VALID:
-                        own = self._own_device(op.gid)
-                        if own is not None:
-                            self.alloc.drop(op.gid, own)
-                        else:
-                            # another server's slot: distrust this generation only (RETIRED at the
-                            # same generation outranks a re-delivered VALID; its next write does not)
-                            self.slots["state"][op.gid] = RETIRED
-                            self._emit_removed(self._digests([op.gid]))
-                    self.log.warning("page failed validation; location dropped", gid=op.gid,
-                                     reason="header" if status == ST_BAD_HEADER else "checksum")
+                    self._distrust(op.gid, op.gen, status)
                 else:
                     self.stats.add("io_errors")
         else:
@@ -851,12 +875,76 @@ class Supervisor:
                 give_back(req.conn, op.buf, self.arena, A.FREE)
         self._maybe_finish(req)
 
+    def _clients_reading(self, gid: int) -> bool:
+        """Whether a client pins ``gid`` for a direct read (the allocator asks before it reuses a
+        retired slot). The fence pairs with the client's between pinning and checking the slot:
+        the slot was retired before this call, so a client that pinned it after our look sees
+        it retired and does not read it."""
+        LIB.kv_fence()
+        return any(bool((c.chan.pins == gid).any()) for c in self.conns.values())
+
+    def _direct_done(self, d: int, c: Any) -> None:
+        """A worker's report of a client's direct read (the client already has the page): count
+        it, hint peers whose pages we read, and drop a location that failed validation."""
+        status = int(c["status"])
+        where = int(c["where"])
+        try:
+            gid = self.smap.gid(d, where >> 40, where & ((1 << 40) - 1))
+        except IndexError:
+            return
+        if status == ST_OK:
+            self.stats.add("hits")
+            self.stats.add("pages_read")
+            self.stats.add("bytes_read", int(self.slots["length"][gid]))
+            if not self.local[gid] and len(self.hints) < 4096:
+                self.hints.append(gid)
+        elif status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
+            self.stats.add("validation_failures")
+            self._distrust(gid, int(c["gen"]), status)
+        else:
+            self.stats.add("io_errors")
+
+    def _distrust(self, gid: int, gen: int, status: int) -> None:
+        """Drop the location of a page that failed validation, if the slot still holds what was read."""
+        if int(self.slots["gen"][gid]) == gen and self.slots["state"][gid] == VALID:
+            own = self._own_device(gid)
+            if own is not None:
+                self.alloc.drop(gid, own)
+            else:
+                # another server's slot: distrust this generation only (RETIRED at the
+                # same generation outranks a re-delivered VALID; its next write does not)
+                self.slots["state"][gid] = RETIRED
+                self._emit_removed(self._digests([gid]))
+        self.log.warning("page failed validation; location dropped", gid=gid,
+                         reason="header" if status == ST_BAD_HEADER else "checksum")
+
+    def _fail_direct_reads(self, device: int) -> None:
+        """The worker of ``device`` is gone (no more DMA can land): fail the direct reads it had
+        taken, so that their clients see a miss now instead of waiting for their timeout."""
+        for conn in self.conns.values():
+            ch = conn.chan
+            for b in range(conn.lease_count):
+                i = conn.lease_start + b
+                st = self.arena.state(i)
+                if A.kind(st) == A.READING and int(ch.ddev[b]) == device:
+                    ch.pins[b] = -1
+                    ch.set_done(b, int(ch.dseq[b]), ST_WORKER_LOST)
+                    self.arena.set_state(i, A.CLIENT)
+                    try:
+                        conn.sem.release()
+                    except Exception:
+                        pass
+
     def _drain_completions(self) -> int:
         n = 0
         for w in self.workers:
             if w.proc is None:
                 continue  # being replaced: its rings are reset before the new worker starts
             for c in w.rings.done.get_batch(256):
+                if int(c["kind"]) == K_DIRECT:
+                    n += 1
+                    self._direct_done(w.device, c)
+                    continue
                 op = self.pending.pop(int(c["tag"]), None)
                 if op is None:
                     continue
@@ -949,6 +1037,7 @@ class Supervisor:
         w.old = None
         w.warned = False
         w.rings.reset()
+        self._fail_direct_reads(w.device)
         self._spawn(w)
 
     # ---- loop ----------------------------------------------------------------------------------

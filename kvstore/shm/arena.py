@@ -20,6 +20,16 @@ may touch the buffer; only the current owner writes the next state:
     SERVICE -> QUARANTINE  an I/O into it is stuck; the worker is being killed (service)
     QUARANTINE -> FREE     the stuck worker is gone, no more DMA can land there (service)
     CLIENT -> FREE   client releases it              (client)
+    CLIENT -> DIRECT|g  client posts a direct read into it to a device worker (client)
+    DIRECT|g -> READING|g  the worker takes it (compare-and-swap)             (worker)
+    DIRECT|g -> CLIENT     the client takes it back before the worker did (CAS) (client)
+    DIRECT|g -> FREE       the connection is gone; taken back (CAS)          (service)
+    READING|g -> CLIENT    the read is done, its result published            (worker)
+    READING|g -> CLIENT    the worker died; its reads are failed             (service)
+
+``g`` is the low 24 bits of the connection's generation, in bits 8..31 (``tagged``): a
+worker holding a stale record of a connection that has gone can never take a buffer of
+the connection that now leases it.
 
 The state is written with store-release and read with load-acquire, so the
 new owner sees the buffer's bytes as the old owner left them.
@@ -39,6 +49,18 @@ FREE = 0
 CLIENT = 1
 SERVICE = 2
 QUARANTINE = 3
+DIRECT = 4
+READING = 5
+
+
+def tagged(state: int, generation: int) -> int:
+    """``state`` (DIRECT or READING) tagged with a connection generation."""
+    return state | (generation & 0xFFFFFF) << 8
+
+
+def kind(state: int) -> int:
+    """The state without its connection tag."""
+    return state & 0xFF
 
 
 def buffer_size(page_size: int) -> int:
@@ -96,6 +118,10 @@ class Arena:
     def set_state(self, i: int, state: int) -> None:
         """Hand buffer ``i`` on (store-release). Only the current owner may call this."""
         LIB.kv_store_release_u32(self._states + i, state)
+
+    def cas_state(self, i: int, expected: int, desired: int) -> bool:
+        """Hand buffer ``i`` on only if its state is ``expected`` (one atomic step); whether it did."""
+        return bool(LIB.kv_cas_u32(self._states + i, expected, desired))
 
     def states(self, start: int, count: int) -> np.ndarray[Any, Any]:
         """A snapshot of ``count`` states from ``start`` (for statistics and leak checks)."""

@@ -7,9 +7,11 @@ In order, each part starting on a 64-byte boundary (docs/FORMAT.md "Control segm
     key index       capacity x 16 B    (shm/index.py; the supervisor writes)
     reference bits  slots x 1 B        (CLOCK: set by whoever finds a page, cleared by the allocator)
     arena states    arena_count x u32  (shm/arena.py; each buffer's current owner writes)
+    connections     max_clients x 16 B (CONN_DTYPE; the supervisor writes, the I/O workers
+                                        read it to find the connections they serve reads for)
 
-Both sides compute it from the slot count and the arena size alone, so the hello only
-has to carry those two numbers.
+Every process computes it from the slot count, the arena size and the number of
+connections alone, so the hello only has to carry those numbers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ import numpy as np
 from .arena import Arena
 from .index import ENTRY_DTYPE, INDEX_HEAD_BYTES, index_capacity
 from .slots import SLOT_DTYPE, slot_table
+
+
+#: one connection as the I/O workers see it
+CONN_DTYPE = np.dtype([
+    ("gen", "<u8"),          # the connection's generation (unique per service run); 0: none
+    ("lease_start", "<u4"),  # first arena buffer of its lease
+    ("lease_count", "<u4"),  # buffers in its lease
+])
+assert CONN_DTYPE.itemsize == 16
 
 
 def _up64(n: int) -> int:
@@ -42,17 +53,23 @@ class ControlLayout:
     """Offset of the reference bits, one byte per slot."""
     states_offset: int
     """Offset of the arena buffer states."""
+    conns_offset: int
+    """Offset of the connection table."""
+    max_clients: int
+    """Entries in the connection table."""
     nbytes: int
     """Size of the segment."""
 
     @classmethod
-    def of(cls, slots: int, arena_count: int) -> ControlLayout:
-        """The layout for ``slots`` slots and an arena of ``arena_count`` buffers."""
+    def of(cls, slots: int, arena_count: int, max_clients: int) -> ControlLayout:
+        """The layout for ``slots`` slots, an arena of ``arena_count`` buffers and ``max_clients``
+        connections."""
         cap = index_capacity(slots)
         idx = _up64(slots * SLOT_DTYPE.itemsize)
         ref = _up64(idx + INDEX_HEAD_BYTES + cap * ENTRY_DTYPE.itemsize)
         states = _up64(ref + slots)
-        return cls(slots, idx, cap, ref, states, states + Arena.states_nbytes(arena_count))
+        conns = states + Arena.states_nbytes(arena_count)
+        return cls(slots, idx, cap, ref, states, conns, max_clients, conns + _up64(max_clients * CONN_DTYPE.itemsize))
 
     def slot_table(self, buf: Any) -> np.ndarray[Any, Any]:
         """The slot table in ``buf``."""
@@ -70,3 +87,7 @@ class ControlLayout:
     def ref_bits(self, buf: Any) -> np.ndarray[Any, Any]:
         """The reference bits in ``buf``."""
         return np.frombuffer(buf, dtype=np.uint8, count=self.slots, offset=self.ref_offset)
+
+    def connections(self, buf: Any) -> np.ndarray[Any, Any]:
+        """The connection table in ``buf``."""
+        return np.frombuffer(buf, dtype=CONN_DTYPE, count=self.max_clients, offset=self.conns_offset)

@@ -107,7 +107,7 @@ def run(slots: int, fill: int, base: Path) -> dict:
                     found = c.contains(batch)
                     lat.append(time.perf_counter() - t)
                     assert sum(found) == 500, "a filled key was not found"
-            lay = ControlLayout.of(slots, 1000)
+            lay = ControlLayout.of(slots, 1000, 1)
             shm = lay.ref_offset + slots  # slot table, index, reference bits (the arena states excluded)
             rss = {"supervisor_mib": rss_kib(svc.pid) / 1024,
                    "workers_mib": [rss_kib(p) / 1024 for p in svc.worker_pids()]}

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import KVCacheClient
 from kvstore.quickstart import page_bytes
-from kvstore.testing import free_port_pair, make_store
+from kvstore.testing import free_port_pair, make_store, wait_for
 
 pytestmark = pytest.mark.integration
 PS = 16 << 10
@@ -39,8 +39,12 @@ def test_metrics_endpoint_reflects_the_service(home: Path, file_devices: Any, se
         c.put(keys, [page_bytes(k, PS) for k in keys], wait=True)
         with c.get(keys + [b"absent"]) as v:
             assert v.hits == 10
-    f = scrape(port)
     lab = {"store": "m", "server": "local"}
+    # a get's hits come from the device workers' reports, its misses and latency from the
+    # client's counters: both reach the stats within a loop turn or so
+    assert wait_for(lambda: value(scrape(port), "kvstore_get_latency_seconds", "kvstore_get_latency_seconds_count",
+                                  **lab) == 1 and value(scrape(port), "kvstore_hits", "kvstore_hits_total", **lab) == 10)
+    f = scrape(port)
     assert value(f, "kvstore_hits", "kvstore_hits_total", **lab) == 10
     assert value(f, "kvstore_misses", "kvstore_misses_total", **lab) == 1
     assert value(f, "kvstore_written_bytes", "kvstore_written_bytes_total", **lab) == 10 * PS

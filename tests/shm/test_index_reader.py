@@ -30,7 +30,7 @@ def _fill(slots: np.ndarray, gid: int, w: np.ndarray) -> None:
 @given(st.lists(st.tuples(st.sampled_from(["ins", "retire", "rebuild"]), st.integers(0, N - 1)), max_size=150),
        st.booleans())
 def test_reader_agrees_with_the_writer(ops: list[tuple[str, int]], collide: bool) -> None:
-    lay = ControlLayout.of(N, 4)
+    lay = ControlLayout.of(N, 4, 1)
     buf = bytearray(lay.nbytes)
     slots = lay.slot_table(buf)
     ix = KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf))
@@ -65,7 +65,7 @@ def test_rebuild_in_another_process_never_shows_as_a_miss() -> None:
     empties it, then refills it). A reader must never report a present key missing; the same
     reader without the seqlock does (so the race is really there)."""
     n = 20_000
-    lay = ControlLayout.of(n, 4)
+    lay = ControlLayout.of(n, 4, 1)
     buf = mmap.mmap(-1, lay.nbytes)  # MAP_SHARED|MAP_ANONYMOUS: shared with the child
     slots = lay.slot_table(buf)
     words = np.stack([words_of(k, False) for k in range(n)])
