@@ -170,7 +170,7 @@ class Worker:
             if int(gens[cid]):
                 try:
                     self.conns[cid] = _Conn(self.p, cid, self.conn_table[cid])
-                except (OSError, ValueError):
+                except Exception:  # posix_ipc.ExistentialError, or a segment of another size
                     pass  # already gone again (its segment unlinked): the table will say so
         self._conn_gens = gens
         self._close_left()

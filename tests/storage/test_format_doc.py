@@ -8,7 +8,8 @@ from pathlib import Path
 from kvstore.crdt.log import SYNC_REC
 from kvstore.crdt.register import REGISTER_DTYPE
 from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST
-from kvstore.service.protocol import DESC_HEAD, REQ
+from kvstore.service.protocol import DESC_HEAD, DIRECT_REQ, REQ
+from kvstore.shm.control import CONN_DTYPE
 from kvstore.shm.index import ENTRY_DTYPE
 from kvstore.shm.slots import SLOT_DTYPE
 from kvstore.storage import header, superblock
@@ -35,11 +36,14 @@ def test_sizes_match() -> None:
     assert documented("client_desc") == DESC_HEAD.itemsize
     assert documented("register") == REGISTER_DTYPE.itemsize
     assert documented("sync_rec") == SYNC_REC.itemsize
+    assert documented("direct_req") == DIRECT_REQ.itemsize
+    assert documented("conn_entry") == CONN_DTYPE.itemsize
 
 
 def test_field_offsets_match() -> None:
     for dt, name in [(IO_REQUEST, "io_request"), (SLOT_DTYPE, "slot_entry"), (REQ, "client_req"), (DESC_HEAD, "client_desc"),
-                     (REGISTER_DTYPE, "register"), (SYNC_REC, "sync_rec")]:
+                     (REGISTER_DTYPE, "register"), (SYNC_REC, "sync_rec"), (IO_COMPLETION, "io_completion"),
+                     (DIRECT_REQ, "direct_req"), (CONN_DTYPE, "conn_entry")]:
         for field, (_t, off) in dt.fields.items():  # type: ignore[union-attr]
             if field == "pad":
                 continue
