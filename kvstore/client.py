@@ -251,6 +251,8 @@ class KVCacheClient:
         self._sem = attach_semaphore(hello["sem"])
         self._doorbell = attach_semaphore(hello["doorbell"])
         self._lease = range(hello["lease_start"], hello["lease_start"] + hello["lease_count"])
+        self._lease_states = np.frombuffer(self._control_seg.buf, dtype="<u4", count=hello["lease_count"],
+                                           offset=hello["states_offset"] + 4 * hello["lease_start"])
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
@@ -386,9 +388,10 @@ class KVCacheClient:
         while True:
             self._reclaim_orphans()
             self._collect_lingering()
-            free = [i for i in self._lease if self._arena.state(i) == A.FREE]
+            free = self._lease.start + np.nonzero(self._lease_states == A.FREE)[0]
+            LIB.kv_fence()  # the loads above act as load-acquires: see the buffers as freed
             if len(free) >= n:
-                got = free[:n]
+                got: list[int] = free[:n].tolist()
                 for i in got:
                     self._arena.set_state(i, A.CLIENT)
                 return got

@@ -67,6 +67,7 @@ class Ring:
         self._tail = FFI.cast("uint64_t *", base + offset + TAIL_OFF)
         self._recs = np.frombuffer(buf, dtype=dtype, count=capacity, offset=offset + DATA_OFF)
         self._keep = base  # keeps the cffi buffer reference alive
+        self._empty: np.ndarray[Any, Any] = self._recs[:0].copy()
 
     @staticmethod
     def nbytes(capacity: int, dtype: np.dtype[Any]) -> int:
@@ -145,12 +146,12 @@ class Ring:
         return rec
 
     def get_batch(self, max_n: int) -> np.ndarray[Any, Any]:
-        """Remove and return up to ``max_n`` records (copies, oldest first); empty if none."""
+        """Remove and return up to ``max_n`` records (copies, oldest first); empty if none (one
+        shared empty array, which callers must not modify)."""
         head = int(self._head[0])
         n = min(int(LIB.kv_load_acquire_u64(self._tail)) - head, max_n)
         if n <= 0:
-            empty: np.ndarray[Any, Any] = self._recs[:0].copy()
-            return empty
+            return self._empty
         idx = (np.arange(head, head + n, dtype=np.uint64) & np.uint64(self._mask)).astype(np.intp)
         out: np.ndarray[Any, Any] = self._recs[idx]  # fancy indexing copies
         LIB.kv_store_release_u64(self._head, head + n)
