@@ -622,10 +622,15 @@ class KVCacheClient:
         g = gids[hit]
         ch.pins[lb] = g
         LIB.kv_fence()  # pin, then look: the supervisor retires, then looks at the pins
+        # the entry is read between two reads of its generation: the supervisor writes the
+        # generation before the state, so an entry read while it changes (a new generation with
+        # the old state) shows as a changed generation, not as a page to expect
+        gen = self._slots["gen"][g]
         s = self._slots[g]
+        LIB.kv_fence()
         w = words[hit]
         ok = ((s["state"] == VALID) & (s["d0"] == w[:, 0]) & (s["d1"] == w[:, 1]) & (s["d2"] == w[:, 2])
-              & (s["d3"] == w[:, 3]))
+              & (s["d3"] == w[:, 3]) & (s["gen"] == gen) & (self._slots["gen"][g] == gen))
         ch.pins[lb[~ok]] = -1  # changed since the index said so: a miss
         posted: list[tuple[int, int, int]] = []  # (row, lease buffer, seq)
         wake: set[int] = set()

@@ -155,6 +155,24 @@ class Worker:
         self._leaving: list[_Conn] = []   # gone from the table, still with reads in flight
         self.next_direct = DIRECT_TAG
         self.reports_dropped = 0
+        self._to_wake: set[_Conn] = set()
+        self._rr = 0
+
+    def _reap(self, min_nr: int, timeout_s: float) -> bool:
+        """Complete what the device finished (waiting up to ``timeout_s`` for ``min_nr``); whether any."""
+        done = self.ctx.getevents(min_nr, 256, timeout_s)
+        for c in done:
+            self._complete(c.tag, c.result)
+        self._wake_clients()
+        return bool(done)
+
+    def _wake_clients(self) -> None:
+        for c in self._to_wake:
+            try:
+                c.sem.release()
+            except Exception:
+                pass  # the semaphore is gone with the client: nothing to wake
+        self._to_wake.clear()
 
     # ---- direct reads -------------------------------------------------------------------
     def _poll_conns(self) -> None:
@@ -192,10 +210,16 @@ class Worker:
         """Take up to ``room`` direct reads from the connections' rings; returns how many."""
         p = self.p
         taken = 0
-        for c in list(self.conns.values()):
+        conns = list(self.conns.values())
+        # fair: each turn starts at the next connection, and takes at most an equal share of the
+        # room from each while others wait (one client's deep batch must not hold the device)
+        self._rr = (self._rr + 1) % len(conns)
+        conns = conns[self._rr:] + conns[:self._rr]
+        share = max(1, room // max(1, sum(1 for c in conns if len(c.ring))))
+        for c in conns:
             if taken >= room:
                 break
-            for r in c.ring.get_batch(room - taken):
+            for r in c.ring.get_batch(min(share, room - taken)):
                 b, area, slot, n = int(r["buf"]), int(r["area"]), int(r["slot"]), int(r["payload_len"])
                 if not (b < c.lease_count and area < len(p.area_offsets) and slot < p.area_slots[area]
                         and 0 < n <= p.page_size):
@@ -229,10 +253,7 @@ class Worker:
         c.chan.set_done(b, seq, status)
         self.arena.set_state(int(r["buf"]), A.CLIENT)
         c.inflight -= 1
-        try:
-            c.sem.release()
-        except Exception:
-            pass  # the semaphore is gone with the client: nothing to wake
+        self._to_wake.add(c)  # woken once per batch of completions (``_wake_clients``), not per read
         rec = (0, result, status, K_DIRECT, lat, int(r["gen"]), int(r["area"]) << 40 | int(r["slot"]))
         try:
             self.rings.done.put_nowait(rec)
@@ -243,6 +264,7 @@ class Worker:
         except WouldBlock:
             self.reports_dropped += 1  # the supervisor is behind: its statistics miss this read
         if c.gone and not c.inflight:
+            self._wake_clients()  # before its semaphore is closed
             self._close_left()
 
     def _prepare_write(self, r: Any) -> None:
@@ -337,12 +359,12 @@ class Worker:
                 # the device refused the whole batch: fail its first request and go on
                 n = 0
                 self._complete(batch[0][5], -(e.errno or 5))
+                self._wake_clients()
                 batch = batch[1:]
                 continue
             batch = batch[n:]
             if batch:  # the kernel took only part: reap something and retry
-                for c in self.ctx.getevents(1, 256, 0.001):
-                    self._complete(c.tag, c.result)
+                self._reap(1, 0.001)
 
     def run(self) -> None:
         """Serve until SIGTERM or until the supervisor is gone."""
@@ -351,10 +373,8 @@ class Worker:
         while not self.stop:
             progressed = False
             self._poll_conns()
-            if self.ctx.outstanding:
-                for c in self.ctx.getevents(0, 256, 0):
-                    self._complete(c.tag, c.result)
-                    progressed = True
+            if self.ctx.outstanding and self._reap(0, 0):
+                progressed = True
             batch = self._take()
             if batch:
                 self._submit(batch)
@@ -370,8 +390,7 @@ class Worker:
             if progressed:
                 continue
             if self.ctx.outstanding:
-                for c in self.ctx.getevents(1, 256, 100e-6):
-                    self._complete(c.tag, c.result)
+                self._reap(1, 100e-6)
             else:
                 wait_semaphore(self.wakeup, 0.05)
             now = time.monotonic()
@@ -381,8 +400,7 @@ class Worker:
                     break
         # drain what is in flight so no DMA outlives us into buffers the supervisor reuses
         while self.ctx.outstanding:
-            for c in self.ctx.getevents(1, 256, 1.0):
-                self._complete(c.tag, c.result)
+            self._reap(1, 1.0)
 
     def close(self) -> None:
         """Release the context, the device and the mappings."""
