@@ -34,11 +34,14 @@ IO_REQUEST = np.dtype([
     ("gen", "<u8"),        # generation to write / expected
     ("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"),  # key digest
     ("area", "<u4"),       # area index of the slot
-    ("pad", "<u4"),
+    ("flags", "<u4"),      # write: F_CSUM
     ("slot", "<u8"),       # slot index in the area
     ("payload_len", "<u8"),  # payload bytes (write: to store; read: expected)
+    ("csum", "<u8"),       # write with F_CSUM: the payload's xxh3_64, computed by the client
 ])
-assert IO_REQUEST.itemsize == 96
+assert IO_REQUEST.itemsize == 104
+
+F_CSUM = 1  # the client computed the payload checksum while copying the page in: the worker uses it
 
 # kind of a completion
 K_SUPERVISOR = 0      # the supervisor's request ``tag``

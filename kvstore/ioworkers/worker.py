@@ -54,7 +54,7 @@ from ..shm.segment import Segment, attach_semaphore, wait_semaphore
 from ..shm.stats import D, StatsBlock
 from ..storage.header import HEADER_BLOCK, HEADER_SIZE, SlotHeader
 from .aio import AioContext
-from .protocol import (IO_COMPLETION, K_DIRECT, K_SUPERVISOR, OP_READ, ST_BAD_CHECKSUM,
+from .protocol import (F_CSUM, IO_COMPLETION, K_DIRECT, K_SUPERVISOR, OP_READ, ST_BAD_CHECKSUM,
                        ST_BAD_HEADER, ST_IO_ERROR, ST_OK, WorkerRings)
 
 _ZERO_TAIL = bytes(HEADER_BLOCK - HEADER_SIZE)
@@ -270,7 +270,9 @@ class Worker:
     def _prepare_write(self, r: Any) -> None:
         i = int(r["buf"])
         n = int(r["payload_len"])
-        csum = xxhash.xxh3_64_intdigest(self.arena.payload(i, n))
+        # a checksum the client computed while copying the page in is trusted only as far as any
+        # checksum is: one that does not match the payload makes the page a miss when read
+        csum = int(r["csum"]) if int(r["flags"]) & F_CSUM else xxhash.xxh3_64_intdigest(self.arena.payload(i, n))
         hdr = SlotHeader(self.p.store_uuid, self.p.device_index, int(r["area"]), int(r["slot"]),
                          int(r["gen"]), _digest(r), n, csum, time.time_ns()).encode()
         hb = self.arena.header(i)

@@ -217,6 +217,7 @@ class Request:
     bufs: list[int]
     lengths: np.ndarray[Any, Any]
     results: np.ndarray[Any, Any]
+    csums: np.ndarray[Any, Any] | None = None  # put with FLAG_CSUM: the payload checksums the client computed
     outstanding: int = 0
     responded: bool = False
     quarantined: set[int] = field(default_factory=set)
@@ -269,7 +270,8 @@ def take(conn: Conn, m: Any, arena: A.Arena) -> Request | int | None:
             return P.S_BAD_REQUEST
         conn.inuse.update(bufs)
     return Request(conn, di, seq, op, count, flags, time.monotonic(), d.keys[:count].copy(), bufs,
-                   d.lengths[:count].copy(), np.zeros(count, dtype="<i4"))
+                   d.lengths[:count].copy(), np.zeros(count, dtype="<i4"),
+                   d.csums[:count].copy() if op == P.OP_PUT and flags & P.FLAG_CSUM else None)
 
 
 def answer(conn: Conn, desc: int, seq: int, status: int, value: int = 0,

@@ -33,6 +33,7 @@ Connection segment layout (``ClientChannel``)::
                      bufs     max_batch x i32: arena buffer index per key (get, put)
                      lengths  max_batch x u32: payload bytes per key (put)
                      results  max_batch x i32: R_* per key (written by the service when it answers)
+                     csums    max_batch x u64: put with FLAG_CSUM: xxh3_64 of each page
                  each padded to a multiple of 64 bytes
     counters     COUNTERS_WORDS u64, written by the client only (the service adds what they
                  grew by to its stats): lookups, keys looked up, gets, keys asked for in
@@ -119,6 +120,7 @@ OP_PIN = 5
 OP_UNPIN = 6
 
 FLAG_WAIT = 1
+FLAG_CSUM = 2    # put: ``csums`` holds each page's xxh3_64, computed by the client while copying it in
 
 # request status (DESC_HEAD.status)
 S_OK = 0
@@ -187,11 +189,13 @@ class Descriptor:
         self.lengths = np.frombuffer(buf, dtype="<u4", count=max_batch, offset=o)
         o += 4 * max_batch
         self.results = np.frombuffer(buf, dtype="<i4", count=max_batch, offset=o)
+        o += 4 * max_batch
+        self.csums = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
 
     @staticmethod
     def nbytes(max_batch: int) -> int:
         """Bytes of one descriptor."""
-        return _round64(DESC_HEAD.itemsize + max_batch * (32 + 12))
+        return _round64(DESC_HEAD.itemsize + max_batch * (32 + 12 + 8))
 
     @property
     def state(self) -> int:

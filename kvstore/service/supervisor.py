@@ -43,7 +43,7 @@ from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AlreadyRunning, KVStoreError, NotAllowed
 from ..logging import recent_warnings
 from ..ioworkers.aio import LIB
-from ..ioworkers.protocol import (IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
+from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
 from ..crdt.agent import AgentParams, Peer, agent_main
 from ..crdt.keys import keypair_for, load_keypair
@@ -725,7 +725,7 @@ class Supervisor:
         self._respond(req, P.S_OK, done)
 
     def _dispatch(self, req: Request, i: int, gid: int, buf: int, op: int, words: np.ndarray[Any, Any],
-                  length: int) -> bool:
+                  length: int, csum: int | None = None) -> bool:
         """Queue one I/O on its device's worker; False when that worker is being replaced."""
         d, a, s = self.smap.locate(gid)
         w = self.workers[d]
@@ -737,7 +737,8 @@ class Supervisor:
         e = self.slots[gid]
         xfer = HEADER_BLOCK + (length + 4095) // 4096 * 4096
         rec = (tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, int(e["gen"]),
-               int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0, s, length)
+               int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0 if csum is None else F_CSUM, s,
+               length, csum or 0)
         (w.rings.reads if op == OP_READ else w.rings.writes).put_nowait(np.array(rec, dtype=IO_REQUEST))
         self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, int(e["gen"]), time.monotonic())
         req.outstanding += 1
@@ -798,7 +799,8 @@ class Supervisor:
                 continue
             self.writing[key] = gid
             res[i] = P.R_QUEUED
-            if not self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length):
+            if not self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length,
+                                  None if req.csums is None else int(req.csums[i])):
                 self.writing.pop(key, None)
                 self.alloc.abandon(gid, dev)
                 res[i] = P.R_DROPPED

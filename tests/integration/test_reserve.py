@@ -80,3 +80,19 @@ def test_released_reservation_gives_its_buffers_back_once_its_arrays_are_gone(st
             c.reserve(c.max_batch + 1)
         with pytest.raises(ValueError, match="keys for 1 reserved"):
             c.reserve(1).commit([b"x", b"y"])
+
+
+def test_the_clients_checksum_is_used_and_a_lying_one_is_a_miss(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """put computes each page's checksum while copying it in and the worker writes that one into
+    the slot header; a client that lies about it stores a page that every read rejects."""
+    import kvstore.client as client_mod
+
+    keys = [b"sum/%d" % i for i in range(4)]
+    with KVCacheClient.connect("rs", home=store) as c:
+        assert c.put(keys[:2], [page_bytes(k, PS) for k in keys[:2]], wait=True).stored == 2
+        real = client_mod._copy_summed
+        monkeypatch.setattr(client_mod, "_copy_summed", lambda dst, src: real(dst, src) ^ 1)
+        assert c.put(keys[2:], [page_bytes(k, PS) for k in keys[2:]], wait=True).stored == 2
+        with c.get(keys) as got:
+            assert [v is not None for v in got] == [True, True, False, False]
+            assert all(np.array_equal(np.frombuffer(v, np.uint8), page_bytes(k, PS)) for k, v in zip(keys[:2], got[:2]))
