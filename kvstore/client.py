@@ -637,9 +637,9 @@ class KVCacheClient:
         g = gids[hit]
         ch.pins[lb] = g
         LIB.kv_fence()  # pin, then look: the supervisor retires, then looks at the pins
-        # the entry is read between two reads of its generation: the supervisor writes the
-        # generation before the state, so an entry read while it changes (a new generation with
-        # the old state) shows as a changed generation, not as a page to expect
+        # the entry is read between two reads of its generation: retiring a slot writes its
+        # state, then its generation, so an entry seen VALID here was seen with the generation
+        # it had while VALID, or the two reads differ (then it is a miss)
         gen = self._slots["gen"][g]
         s = self._slots[g]
         LIB.kv_fence()

@@ -50,6 +50,7 @@ void kv_key_digests(const uint8_t *blob, const uint64_t *ends, int64_t n, const 
 void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t saltlen, uint8_t *out);
 int64_t kv_index_lookup(const uint64_t *seq, const void *entries, uint64_t capacity, const void *slots,
                         uint64_t nslots, const uint64_t *words, int64_t n, int64_t *out, uint8_t *ref);
+int64_t kv_index_fill(void *entries, uint64_t capacity, const void *slots, uint64_t nslots);
 void kv_seq_begin(uint64_t *seq);
 void kv_seq_end(uint64_t *seq);
 """

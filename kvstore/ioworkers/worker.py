@@ -287,6 +287,13 @@ class Worker:
                 or h.area_index != int(r["area"]) or h.slot_index != int(r["slot"])
                 or h.generation != int(r["gen"]) or h.key_digest != _digest(r)
                 or h.payload_length != n):
+            # what differed, for whoever investigates (rare: a page that changed or was damaged)
+            structlog.get_logger(__name__).warning(
+                "slot header does not match the read", area=int(r["area"]), slot=int(r["slot"]),
+                expected_gen=int(r["gen"]), found_gen=None if h is None else h.generation,
+                key_matches=None if h is None else h.key_digest == _digest(r),
+                expected_length=n, found_length=None if h is None else h.payload_length,
+                found_slot=None if h is None else h.slot_index)
             return ST_BAD_HEADER
         if xxhash.xxh3_64_intdigest(self.arena.payload(i, n)) != h.payload_checksum:
             return ST_BAD_CHECKSUM

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from ..ioworkers.aio import LIB
+
 from ..shm.slots import EMPTY, RETIRED, VALID, WRITING
 
 
@@ -165,8 +167,12 @@ class Allocator:
             for pins in self.pinned_by.values():
                 pins.discard(gid)
         s = self.slots[gid]
-        s["gen"] = self.gens[device].next()
+        # state first, then the generation: a client that reads gen, state, gen (client.py
+        # _get_direct) and sees VALID then also sees the old generation twice, never a new
+        # generation beside the old state (that read would expect a header no device holds)
         s["state"] = RETIRED
+        LIB.kv_fence()
+        s["gen"] = self.gens[device].next()
         self.quarantine[device].append((gid, self.clock() + self.grace_s))
         if self.on_retire is not None:
             self.on_retire(gid)

@@ -104,7 +104,7 @@ def test_retirement_races_direct_reads_from_several_processes(file_devices: Any,
     assert wrong == 0
     assert st.evictions > 200 and written > 300, (st.evictions, written)  # the churn really happened
     assert hits > 100 and calls > 50, results
-    assert st.validation_failures == 0
+    assert st.validation_failures == 0, [ln for ln in svc.log.read_text().splitlines() if "validation" in ln or "header" in ln]
 
 
 def _get_and_wait(home: str) -> None:

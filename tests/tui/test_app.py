@@ -12,7 +12,7 @@ from textual.widgets import Label
 
 from kvstore import KVCacheClient
 from kvstore.shm.stats import DeviceCounters, Histogram, ServiceCounters, StoreStatistics
-from kvstore.testing import make_store
+from kvstore.testing import make_store, wait_for
 from kvstore.tui.app import DashboardApp, HelpScreen
 from kvstore.tui.source import CannedSource, LiveSource
 from kvstore.tui.widgets.servers import ServersTable
@@ -79,6 +79,8 @@ async def test_live_source_shows_what_the_service_holds(home: Path, file_devices
         with c.get([b"a", b"zz"]) as v:
             assert v.hits == 1
     src = LiveSource("d", home)
+    # the hit is reported by the device worker, the miss by the client: both reach the stats at a tick
+    assert wait_for(lambda: src.snapshot()["local"]["stats"]["service"]["misses"] == 1)
     snap = src.snapshot()
     assert snap["local"]["running"] and snap["local"]["pid"] == svc.pid
     assert snap["local"]["stats"]["service"]["hits"] == 1
