@@ -159,6 +159,9 @@ class ServiceConfig:
     0 is safe for a single server (local pins are always drained first)."""
     request_timeout_s: float = 60.0
     """Longest a client waits for one call before raising ``Timeout``."""
+    checkpoint_interval_s: float = 60.0
+    """Seconds between slot-table checkpoints (and one at every clean stop), which let a restart
+    skip reading every slot header; 0 turns checkpoints off (every start scans the devices)."""
     access_group: str = ""
     """Unix group whose members' engines may connect (socket, shared memory and run directory
     get group read/write). Empty: only the service's own user may connect."""
@@ -174,6 +177,8 @@ class ServiceConfig:
             raise ValueError(f"max_clients must be in [1, 1024], got {self.max_clients}")
         if self.retire_grace_s < 0:
             raise ValueError(f"retire_grace_s must be >= 0, got {self.retire_grace_s}")
+        if self.checkpoint_interval_s < 0:
+            raise ValueError(f"checkpoint_interval_s must be >= 0, got {self.checkpoint_interval_s}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 

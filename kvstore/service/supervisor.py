@@ -64,6 +64,7 @@ from . import protocol as P
 from .allocator import Allocator, Generations
 from .connections import Conn, Handshakes, PeerCred, Request, answer, give_back, take
 from .membership import MembershipWatcher, RefusedCopies
+from .checkpoint import CheckpointWriter, checkpoint_path, layout_fingerprint, load_checkpoint
 from .rebuild import scan_devices
 from .sync import SyncLink, new_epoch
 
@@ -128,6 +129,9 @@ class Supervisor:
         self.writing: dict[bytes, int] = {}
         self.next_tag = 1
         self.conn_gen = 0
+        self.ckpt: CheckpointWriter | None = None
+        self._last_ckpt = time.monotonic()
+        self.started = False
         self.rr = 0
         self.lsock: socket.socket | None = None
         self.zombies: list[tuple[Any, list[tuple[Conn, int]]]] = []
@@ -178,6 +182,38 @@ class Supervisor:
             raise
         self._lock_fd = fd
 
+    def _load_slot_table(self) -> tuple[tuple[int, ...], ...]:
+        """Fill the slot table from the checkpoint if there is a usable one, else from every slot
+        header on the devices; returns the highest generation per (device, area)."""
+        cfg = self.cfg
+        layout = layout_fingerprint(self.sbs)
+        path = checkpoint_path(self.home, cfg.name, self.server)
+        if cfg.service.checkpoint_interval_s > 0:
+            self.ckpt = CheckpointWriter(path, self.slots, cfg.uuid_bytes, layout)
+            loaded, why = load_checkpoint(path, self.slots, cfg.uuid_bytes, layout, self.smap)
+        else:
+            loaded, why = None, "checkpoints are off (service.checkpoint_interval_s = 0)"
+        if loaded is not None:
+            self.log.info("slot table loaded from checkpoint", valid=loaded.valid, age_s=round(loaded.age_s, 1),
+                          seconds=round(loaded.seconds, 3))
+            return loaded.max_gen
+        self.log.info("no usable checkpoint: reading every slot header", reason=why)
+        rep = scan_devices(cfg.devices, self.sbs, self.smap, self.slots)
+        self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
+                      seconds=round(rep.seconds, 3))
+        return rep.max_gen
+
+    def _maybe_checkpoint(self, now: float) -> None:
+        """Start a background checkpoint when one is due (never waits for one)."""
+        iv = self.cfg.service.checkpoint_interval_s
+        if self.ckpt is None or iv <= 0 or now - self._last_ckpt < iv:
+            return
+        if self.ckpt.last_error:
+            self.log.warning("slot-table checkpoint failed", error=self.ckpt.last_error)
+            self.ckpt.last_error = ""
+        if self.ckpt.start():
+            self._last_ckpt = now
+
     def _segment(self, what: str, size: int) -> Segment:
         seg = Segment.create(self.prefix + what, size, self.mode, self.group)
         self._segments.append(seg)
@@ -223,13 +259,13 @@ class Supervisor:
             self.stats.set("started_ns", time.time_ns())
             self.doorbell = self._sem("bell")
             # rebuild from headers, then index: other areas first so our own copy wins a duplicate
-            rep = scan_devices(cfg.devices, self.sbs, self.smap, self.slots)
+            max_gen = self._load_slot_table()
             for i, sv in enumerate(cfg.servers):
                 if sv.denied:  # a denied server's pages are never read
                     self._forget_area(i)
             self.index = KeyIndex(lay.index_entries(ctl.buf), self.slots, init=True, seq=lay.index_seq(ctl.buf))
             self.index.rebuild()
-            gens = [Generations(rep.max_gen[d][self.area]) for d in range(self.smap.n_devices)]
+            gens = [Generations(max_gen[d][self.area]) for d in range(self.smap.n_devices)]
             self.own = [self.smap.area_gids(d, self.area) for d in range(self.smap.n_devices)]
             self.local = np.zeros(total, dtype=bool)  # own slots: preferred when a key has several copies
             for r in self.own:
@@ -237,8 +273,7 @@ class Supervisor:
             self.alloc = Allocator(self.slots, self.own, gens, cfg.service.retire_grace_s,
                                    on_retire=self._on_retire, ref=lay.ref_bits(ctl.buf),
                                    reading=self._clients_reading)
-            self.log.info("rebuilt location table from slot headers", scanned=rep.scanned, valid=rep.valid,
-                          seconds=round(rep.seconds, 3))
+
             for d, path in enumerate(cfg.devices):
                 seg = self._segment(f"w{d}", WorkerRings.nbytes())
                 wake_name = self.prefix + f"w{d}"
@@ -269,6 +304,7 @@ class Supervisor:
             (self.rundir / f"{self.server}.pid").write_text(f"{os.getpid()}\n")
             self.log.info("service started", pid=os.getpid(), devices=len(cfg.devices), slots=total,
                           own_slots=sum(len(r) for r in self.own), socket=str(self.sock_path))
+            self.started = True
         except BaseException:
             self.shutdown()
             raise
@@ -1102,6 +1138,7 @@ class Supervisor:
                     full = now - last_full >= 1.0
                     if full:
                         last_full = now
+                        self._maybe_checkpoint(now)
                     self._gauges(full)
                 if n == 0:
                     wait_semaphore(self.doorbell, TICK_S)
@@ -1152,6 +1189,12 @@ class Supervisor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
+        if self.ckpt is not None and self.started:  # the table changes no more: an exact checkpoint
+            self.ckpt.join(60.0)
+            self.ckpt.write()
+            if self.ckpt.last_error:
+                self.log.warning("slot-table checkpoint at stop failed", error=self.ckpt.last_error)
+            self.ckpt = None
         for conn in list(self.conns.values()):
             try:
                 conn.sock.close()

@@ -184,9 +184,14 @@ class KeyIndex:
         try:
             self.e["gid"] = -1
             self.e["tag"] = 0
-            self.used = 0
             self.rebuilds += 1
-            self.index_slots(np.nonzero(self.slots["state"] == VALID)[0])
+            # one compiled pass over the slot table (the vectorized insert needs seconds and
+            # gigabytes of temporaries at 10^7 slots)
+            used = LIB.kv_index_fill(FFI.cast("void *", self.e.ctypes.data), self.capacity,
+                                     FFI.cast("void *", self.slots.ctypes.data), len(self.slots))
+            if used < 0:
+                raise RuntimeError("key index full")
+            self.used = int(used)
         finally:
             LIB.kv_seq_end(self._seq_ptr)
 

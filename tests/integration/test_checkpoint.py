@@ -46,8 +46,9 @@ def test_clean_restart_loads_the_checkpoint(file_devices: Any, home: Path, servi
     assert put_all(home, "ck", keys) == 300
     assert svc.stop() == 0  # a clean stop writes the checkpoint
     assert checkpoint_path(home, "ck", "local").exists()
+    seen = len(svc.log.read_text())  # one log file for every run of the service
     svc2 = services(home, "ck")
-    log = svc2.log.read_text()
+    log = svc2.log.read_text()[seen:]
     assert "slot table loaded from checkpoint" in log and "rebuilt location table from slot headers" not in log
     assert read_all(home, "ck", keys) == (300, 0, 0)
     more = keys_of("ck2", 40)  # new writes after it get slots and generations of their own
@@ -72,8 +73,9 @@ def test_stale_checkpoint_gives_misses_never_wrong_pages(file_devices: Any, home
     assert put_all(home, "st", new) == n // 2
     assert svc.stop() == 0
     shutil.copy(home / "old.slots", ckpt)  # as if the last checkpoint were that old
+    seen = len(svc.log.read_text())
     svc = services(home, "st")
-    assert "slot table loaded from checkpoint" in svc.log.read_text()
+    assert "slot table loaded from checkpoint" in svc.log.read_text()[seen:]
     h, m, w = read_all(home, "st", old + new)
     assert w == 0
     assert h >= n - n // 2 - 2 and m >= n // 2, (h, m)  # the untouched old pages are still served
@@ -95,14 +97,16 @@ def test_corrupt_or_foreign_checkpoint_falls_back_to_the_scan(file_devices: Any,
     raw = bytearray(ckpt.read_bytes())
     raw[128 + 48 * 3 + 10] ^= 0xFF  # one byte of one entry
     ckpt.write_bytes(bytes(raw))
+    seen = len(svc.log.read_text())
     svc = services(home, "cf")
-    log = svc.log.read_text()
+    log = svc.log.read_text()[seen:]
     assert "checkpoint body truncated or corrupt" in log and "rebuilt location table from slot headers" in log
     assert read_all(home, "cf", keys) == (60, 0, 0)
     assert svc.stop() == 0
     ckpt.write_bytes(b"KVSCKPT1" + bytes(200))  # not one of ours at all
+    seen = len(svc.log.read_text())
     svc = services(home, "cf")
-    assert "rebuilt location table from slot headers" in svc.log.read_text()
+    assert "rebuilt location table from slot headers" in svc.log.read_text()[seen:]
     assert read_all(home, "cf", keys) == (60, 0, 0)
 
 
@@ -117,6 +121,7 @@ def test_periodic_checkpoint_serves_a_restart_after_kill_9(file_devices: Any, ho
     assert wait_for(lambda: ckpt.exists() and ckpt.stat().st_mtime > t + 0.1, timeout=10)
     os.kill(svc.pid, signal.SIGKILL)
     svc.stop()
+    seen = len(svc.log.read_text())
     svc2 = services(home, "pk")
-    assert "slot table loaded from checkpoint" in svc2.log.read_text()
+    assert "slot table loaded from checkpoint" in svc2.log.read_text()[seen:]
     assert read_all(home, "pk", keys) == (80, 0, 0)

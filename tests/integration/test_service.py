@@ -18,6 +18,7 @@ from kvstore.errors import ServiceLost, StoreNotFound
 from kvstore.quickstart import page_bytes
 from kvstore.shm.segment import Segment
 from kvstore.shm.stats import StatsBlock
+from kvstore.service.checkpoint import checkpoint_path
 from kvstore.testing import make_store, wait_for
 
 pytestmark = pytest.mark.integration
@@ -87,7 +88,10 @@ def test_restart_rebuilds_from_headers(file_devices, home: Path, services) -> No
     with KVCacheClient.connect("rb", home=home) as c:
         assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 500
     assert svc.stop() == 0
+    checkpoint_path(home, "rb", "local").unlink()  # the scan is what this test is about
+    seen = len(svc.log.read_text())
     svc2 = services(home, "rb")
+    assert "rebuilt location table from slot headers" in svc2.log.read_text()[seen:]
     with KVCacheClient.connect("rb", home=home) as c:
         assert c.lookup(keys) == 500
         for s in range(0, 500, c.max_batch):

@@ -9,6 +9,7 @@ from kvstore.crdt.log import SYNC_REC
 from kvstore.crdt.register import REGISTER_DTYPE
 from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST
 from kvstore.service.protocol import DESC_HEAD, DIRECT_REQ, REQ
+from kvstore.service.checkpoint import HEAD_DTYPE
 from kvstore.shm.control import CONN_DTYPE
 from kvstore.shm.index import ENTRY_DTYPE
 from kvstore.shm.slots import SLOT_DTYPE
@@ -38,12 +39,13 @@ def test_sizes_match() -> None:
     assert documented("sync_rec") == SYNC_REC.itemsize
     assert documented("direct_req") == DIRECT_REQ.itemsize
     assert documented("conn_entry") == CONN_DTYPE.itemsize
+    assert documented("checkpoint_head") == HEAD_DTYPE.itemsize
 
 
 def test_field_offsets_match() -> None:
     for dt, name in [(IO_REQUEST, "io_request"), (SLOT_DTYPE, "slot_entry"), (REQ, "client_req"), (DESC_HEAD, "client_desc"),
                      (REGISTER_DTYPE, "register"), (SYNC_REC, "sync_rec"), (IO_COMPLETION, "io_completion"),
-                     (DIRECT_REQ, "direct_req"), (CONN_DTYPE, "conn_entry")]:
+                     (DIRECT_REQ, "direct_req"), (CONN_DTYPE, "conn_entry"), (HEAD_DTYPE, "checkpoint_head")]:
         for field, (_t, off) in dt.fields.items():  # type: ignore[union-attr]
             if field == "pad":
                 continue
