@@ -26,9 +26,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import select
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +40,6 @@ import structlog
 from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AlreadyRunning, KVStoreError, NotAllowed
 from ..logging import recent_warnings
-from ..ioworkers.aio import LIB
 from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
 from ..crdt.agent import AgentParams, Peer, agent_main
@@ -62,8 +59,9 @@ from ..storage.membership import Membership, read_membership
 from ..storage.header import HEADER_BLOCK
 from . import protocol as P
 from .allocator import Allocator, Generations
-from .connections import Conn, Handshakes, PeerCred, Request, answer, give_back, take
+from .connections import Conn, Request, answer, give_back, take
 from .membership import MembershipWatcher, RefusedCopies
+from .clients import Clients
 from .checkpoint import CheckpointWriter, checkpoint_path, layout_fingerprint, load_checkpoint
 from .rebuild import scan_devices
 from .sync import SyncLink, new_epoch
@@ -124,20 +122,17 @@ class Supervisor:
         self._sems: list[str] = []
         self._lock_fd: int | None = None
         self.workers: list[WorkerSlot] = []
-        self.conns: dict[int, Conn] = {}
+        self.clients: Clients | None = None
         self.pending: dict[int, Op] = {}
         self.writing: dict[bytes, int] = {}
         self.next_tag = 1
-        self.conn_gen = 0
         self.ckpt: CheckpointWriter | None = None
         self._last_ckpt = time.monotonic()
         self.started = False
         self.rr = 0
-        self.lsock: socket.socket | None = None
         self.zombies: list[tuple[Any, list[tuple[Conn, int]]]] = []
         self.old_agent: Any = None
         self.old_agent_at = 0.0
-        self.handshakes: Handshakes | None = None
         self._last_check_ns = 0
         self.sync: SyncLink | None = None
         self.agent: Any = None
@@ -145,7 +140,6 @@ class Supervisor:
         self.to_publish: list[tuple[int, Any]] = []
         self.epoch = new_epoch()
         self.events: Any = None
-        self.tenant_ids: dict[str, int] = {}
         self.metrics: Any = None
         self.hints: list[int] = []
         self.log = log.bind(store=cfg.name, server=server)
@@ -298,7 +292,17 @@ class Supervisor:
                                              f"kvstore:{cfg.name}")
                 self.events.add({"type": "AllBlocksCleared"})
                 self._emit_stored(np.nonzero(self.slots["state"] == VALID)[0])
-            self._listen()
+            self.clients = Clients(
+                cfg=lambda: self.cfg, stopping=lambda: self.stop, arena=self.arena, stats=self.stats, log=self.log,
+                prefix=self.prefix, mode=self.mode, group=self.group, sock_path=self.sock_path,
+                conn_table=self.conn_table, n_devices=len(self.workers), hello={
+                    "page_size": cfg.page_size, "arena": self.prefix + "arena", "control": self.prefix + "control",
+                    "states_offset": self.states_off, "arena_count": self.arena_count,
+                    "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": cfg.name,
+                    "server": self.server, "stats": self.prefix + "stats", "slots": self.smap.total,
+                    "max_clients": self.layout.max_clients, "workers": [w.wake_name for w in self.workers],
+                    "areas": [[a.slot_count for a in sb.areas] for sb in self.sbs]})
+            self.clients.listen()
             self.watcher = MembershipWatcher(cfg.name, self.home, cfg.membership_gen)
             self.watcher.start()
             (self.rundir / f"{self.server}.pid").write_text(f"{os.getpid()}\n")
@@ -515,178 +519,17 @@ class Supervisor:
                                       name=f"kvstore-sync-{cfg.name}")
         self.agent.start()
 
-    def _listen(self) -> None:
-        try:
-            self.sock_path.unlink()
-        except FileNotFoundError:
-            pass
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # owner-only socket: only this user's engines may connect ...
-        try:
-            s.bind(str(self.sock_path))
-        finally:
-            os.umask(old)
-        if self.group is not None:  # ... and the configured group's
-            os.chown(self.sock_path, -1, self.group)
-            os.chmod(self.sock_path, 0o660)
-        s.listen(64)
-        s.setblocking(False)
-        self.lsock = s
-        self.handshakes = Handshakes(s)
-
     # ---- index helpers ----------------------------------------------------------------------
     def _own_device(self, gid: int) -> int | None:
         d, a, _s = self.smap.locate(gid)
         return d if a == self.area else None
 
-    # ---- connections -------------------------------------------------------------------------
-    def _poll_sockets(self) -> None:
-        assert self.handshakes is not None
-        done, dropped = self.handshakes.poll()
-        for why in dropped:
-            self.log.warning("client handshake dropped", reason=why)
-        self.stats.set("handshakes_dropped", self.handshakes.dropped)
-        for s, cred, msg in done:
-            try:
-                self._open_conn(s, cred, msg)
-            except Exception as e:  # a bad client must never take the service down
-                self.log.warning("client hello failed", error=str(e), pid=cred.pid)
-                s.close()
-        self._reap()
-
-    def _refuse(self, s: socket.socket, kind: str, error: str) -> None:
-        try:
-            s.send(P.refusal(kind, error))
-        except OSError:
-            pass
-        s.close()
-
-    def _open_conn(self, s: socket.socket, cred: PeerCred, msg: dict[str, Any]) -> None:
-        if msg.get("v") != P.VERSION or msg.get("op") != "hello":
-            return self._refuse(s, "protocol", f"expected a version {P.VERSION} hello "
-                                "(client and service of different kvstore versions?)")
-        if len(self.conns) >= self.cfg.service.max_clients:
-            self._reap()  # a client that just closed must not hold a place against this one
-        asked = msg.get("tenant", "")
-        try:
-            if not isinstance(asked, str):
-                raise ValueError("tenant must be a string")
-            tenant = self.cfg.tenant_for(asked, cred.uid, cred.groups())
-            salt = self.cfg.tenant_salt(tenant)
-        except (ValueError, KVStoreError) as e:
-            self.log.warning("client refused: tenant", pid=cred.pid, uid=cred.uid, tenant=str(asked)[:64])
-            return self._refuse(s, "tenant", str(e))
-        used = {c.id for c in self.conns.values()}
-        free = [i for i in range(self.cfg.service.max_clients) if i not in used]
-        if not free or self.stop:
-            return self._refuse(s, "busy", f"the service has its maximum of {self.cfg.service.max_clients} "
-                                "clients (service.max_clients in the store config)")
-        cid = free[0]
-        nb = self.cfg.service.client_buffers
-        start = cid * nb
-        for i in range(start, start + nb):
-            if self.arena.state(i) != A.QUARANTINE:  # a hung worker's buffers stay out until it is reaped
-                self.arena.set_state(i, A.FREE)
-        ndev = len(self.workers)
-        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb, ndev), self.mode, self.group)
-        sem_name = self.prefix + f"c{cid}.s"
-        sem = create_semaphore(sem_name, self.mode, self.group)
-        self.conn_gen += 1
-        tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
-        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb, ndev), sem, sem_name, start, nb, cred, salt, tenant,
-                    tid, generation=self.conn_gen)
-        conn.chan.pins[:] = -1
-        self.conns[cid] = conn
-        # the workers serve its direct reads from now on (the segment and semaphore exist)
-        self.conn_table[cid] = (self.conn_gen, start, nb)
-        try:
-            s.send(P.encode_frame({
-                "v": P.VERSION, "ok": True, "client_id": cid, "page_size": self.cfg.page_size, "max_batch": nb,
-                "lease_start": start, "lease_count": nb, "arena": self.prefix + "arena",
-                "control": self.prefix + "control", "states_offset": self.states_off,
-                "arena_count": self.arena_count, "segment": seg.name, "sem": sem_name,
-                "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": self.cfg.name,
-                "slots": self.smap.total, "salt": salt, "max_clients": self.layout.max_clients,
-                "generation": self.conn_gen, "areas": [[a.slot_count for a in sb.areas] for sb in self.sbs],
-                "workers": [w.wake_name for w in self.workers],
-                "server": self.server, "stats": self.prefix + "stats", "tenant": tenant}))
-        except OSError as e:  # a fresh socket's buffer takes a hello answer; failing here means it is gone
-            conn.alive = False
-            s.close()
-            self.log.warning("client hello failed", error=str(e), pid=cred.pid)
-            return
-        self.stats.add("clients_total")
-        self.log.info("client connected", client=cid, pid=cred.pid, uid=cred.uid, tenant=tenant)
-
-    def _reap(self) -> None:
-        """Notice clients that closed their socket (or broke the protocol by sending on it);
-        drop them once no I/O uses their buffers."""
-        socks = [c.sock for c in self.conns.values() if c.alive]
-        if socks:
-            r, _, _ = select.select(socks, [], [], 0)
-            for s in r:
-                conn = next(c for c in self.conns.values() if c.sock is s)
-                try:
-                    data = s.recv(64)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    data = b""
-                if data:
-                    self.log.warning("client sent bytes after its hello; disconnected", client=conn.id,
-                                     pid=conn.pid)
-                else:  # EOF: the client is gone (closed or died)
-                    self.log.info("client disconnected", client=conn.id, pid=conn.pid)
-                conn.alive = False
-                s.close()
-        for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
-            if self._direct_settled(conn):
-                self._drop_conn(conn)
-
-    def _direct_settled(self, conn: Conn) -> bool:
-        """Whether no worker can still read into the gone client's buffers: take back those
-        handed over for direct reads and not taken yet; False while one is being read."""
-        busy = False
-        for b in range(conn.lease_start, conn.lease_start + conn.lease_count):
-            st = self.arena.state(b)
-            if A.kind(st) == A.DIRECT:
-                self.arena.cas_state(b, st, A.FREE)  # fails only if the worker took it just now
-                st = self.arena.state(b)
-            busy |= A.kind(st) == A.READING
-        return not busy
-
-    def _count_lookups(self, conn: Conn) -> None:
-        """Add what a client answered itself since last time (lookups, direct gets) to the stats.
-        The words are the client's: an increment that goes backwards or is implausibly large is
-        ignored (and not counted later either)."""
-        now = conn.chan.counters.copy()
-        delta = now - conn.counted
-        if (now >= conn.counted).all() and (delta < (1 << 40)).all():
-            for name, i in (("lookups", P.C_LOOKUPS), ("lookup_keys", P.C_LOOKUP_KEYS), ("gets", P.C_GETS),
-                            ("misses", P.C_GET_MISSES)):
-                if delta[i]:
-                    self.stats.add(name, int(delta[i]))
-            self.stats.hist[0] += delta[P.C_HIST:P.C_HIST + P.HIST_BUCKETS]
-        conn.counted = now
-
-    def _drop_conn(self, conn: Conn) -> None:
-        self._count_lookups(conn)
-        self.conn_table[conn.id]["gen"] = 0  # workers let go of its segment
-        del self.conns[conn.id]
-        conn.alive = False
-        for b in list(conn.inuse):  # e.g. a put answered early whose write failed to dispatch
-            if self.arena.state(b) != A.QUARANTINE:
-                give_back(conn, b, self.arena, A.FREE)
-        conn.seg.close()
-        conn.seg.unlink()
-        conn.sem.close()
-        unlink_semaphore(conn.sem_name)
-
     # ---- requests ----------------------------------------------------------------------------
     def _serve_clients(self) -> int:
         """Take at most one request per connection per loop turn (no client can starve another)."""
         n = 0
-        for conn in list(self.conns.values()):
+        assert self.clients is not None
+        for conn in list(self.clients.conns.values()):
             if not conn.alive or conn.busy is not None:
                 continue
             try:
@@ -914,12 +757,7 @@ class Supervisor:
         self._maybe_finish(req)
 
     def _clients_reading(self, gid: int) -> bool:
-        """Whether a client pins ``gid`` for a direct read (the allocator asks before it reuses a
-        retired slot). The fence pairs with the client's between pinning and checking the slot:
-        the slot was retired before this call, so a client that pinned it after our look sees
-        it retired and does not read it."""
-        LIB.kv_fence()
-        return any(bool((c.chan.pins == gid).any()) for c in self.conns.values())
+        return self.clients is not None and self.clients.reading(gid)
 
     def _direct_done(self, d: int, c: Any) -> None:
         """A worker's report of a client's direct read (the client already has the page): count
@@ -955,23 +793,6 @@ class Supervisor:
                 self._emit_removed(self._digests([gid]))
         self.log.warning("page failed validation; location dropped", gid=gid,
                          reason="header" if status == ST_BAD_HEADER else "checksum")
-
-    def _fail_direct_reads(self, device: int) -> None:
-        """The worker of ``device`` is gone (no more DMA can land): fail the direct reads it had
-        taken, so that their clients see a miss now instead of waiting for their timeout."""
-        for conn in self.conns.values():
-            ch = conn.chan
-            for b in range(conn.lease_count):
-                i = conn.lease_start + b
-                st = self.arena.state(i)
-                if A.kind(st) == A.READING and int(ch.ddev[b]) == device:
-                    ch.pins[b] = -1
-                    ch.set_done(b, int(ch.dseq[b]), ST_WORKER_LOST)
-                    self.arena.set_state(i, A.CLIENT)
-                    try:
-                        conn.sem.release()
-                    except Exception:
-                        pass
 
     def _drain_completions(self) -> int:
         n = 0
@@ -1075,7 +896,8 @@ class Supervisor:
         w.old = None
         w.warned = False
         w.rings.reset()
-        self._fail_direct_reads(w.device)
+        if self.clients is not None:
+            self.clients.fail_direct_reads(w.device)
         self._spawn(w)
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -1083,10 +905,9 @@ class Supervisor:
         """Cheap gauges every tick; the ones that scan the slot table (O(slots)) only when ``full``."""
         s = self.stats
         s.set("heartbeat_ns", time.time_ns())
-        s.set("clients_connected", sum(1 for c in self.conns.values() if c.alive))
+        assert self.clients is not None
+        s.set("clients_connected", self.clients.count_all())
         s.set("pins", self.alloc.pinned_slots)
-        for conn in self.conns.values():
-            self._count_lookups(conn)
         if not full:
             return
         st = self.slots["state"]
@@ -1100,7 +921,7 @@ class Supervisor:
         s.set("own_slots", own)
         s.set("own_slots_valid", sum(own_valid))
         tenants = {}
-        for name, tid in self.tenant_ids.items():
+        for name, tid in self.clients.tenant_ids.items():
             tenants[name] = {"slots": self.alloc.used_by.get(tid, 0), "quota": self.cfg.quota_for(name),
                              "pinned": len(self.alloc.pinned_by.get(tid, ())),
                              "pin_quota": self.cfg.pin_quota_for(name, own)}
@@ -1125,7 +946,8 @@ class Supervisor:
                 now = time.monotonic()
                 if now - last >= TICK_S:
                     last = now
-                    self._poll_sockets()
+                    assert self.clients is not None
+                    self.clients.poll()
                     if self.hints:
                         if self.sync is not None:
                             self.sync.send_hints(self.hints)
@@ -1170,16 +992,8 @@ class Supervisor:
             self.metrics.shutdown()
             self.metrics.server_close()
             self.metrics = None
-        if self.handshakes is not None:
-            self.handshakes.close()
-            self.handshakes = None
-        if self.lsock is not None:
-            self.lsock.close()
-            self.lsock = None
-            try:
-                self.sock_path.unlink()
-            except FileNotFoundError:
-                pass
+        if self.clients is not None:
+            self.clients.close()
         self._stop_agent()
         for w in self.workers:
             if w.proc is not None and w.proc.is_alive():
@@ -1195,12 +1009,8 @@ class Supervisor:
             if self.ckpt.last_error:
                 self.log.warning("slot-table checkpoint at stop failed", error=self.ckpt.last_error)
             self.ckpt = None
-        for conn in list(self.conns.values()):
-            try:
-                conn.sock.close()
-            except OSError:
-                pass
-            self._drop_conn(conn)
+        if self.clients is not None:
+            self.clients.drop_all()
         for w in self.workers:
             w.wake.close()
         self.workers = []

@@ -1,0 +1,279 @@
+"""The client connections of one service: accepting them, the hello, noticing they are gone, dropping them.
+
+``Clients`` owns the listening socket, the handshakes in progress (``connections.Handshakes``),
+every ``Conn`` and the workers' connection table in the control segment. It also answers the
+two questions about clients the rest of the service asks: does a client's direct read pin
+this slot (``reading``), and what did the clients count themselves (``count``: their lookups
+and direct gets, added to the stats). Requests on a connection are the supervisor's business
+(``connections.take``/``answer``); this module only opens and closes the channel they use.
+
+A connection is dropped once its client is gone (EOF on its socket, or bytes after the hello),
+no I/O of the service uses its buffers, and no device worker reads into them: buffers handed
+to a worker and not taken yet are taken back first (compare-and-swap), and one being read
+keeps the connection (and its pins) until the worker is done.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import StoreConfig
+from ..errors import KVStoreError
+from ..ioworkers.aio import LIB
+from ..ioworkers.protocol import ST_WORKER_LOST
+from ..shm import arena as A
+from ..shm.segment import Segment, create_semaphore, unlink_semaphore
+from ..shm.stats import StatsBlock
+from . import protocol as P
+from .connections import Conn, Handshakes, PeerCred, give_back
+
+
+class Clients:
+    """Every client connection of the service (see the module doc)."""
+
+    def __init__(self, *, cfg: Callable[[], StoreConfig], stopping: Callable[[], bool], arena: A.Arena,
+                 stats: StatsBlock, log: Any, prefix: str, mode: int, group: int | None, sock_path: Path,
+                 conn_table: np.ndarray[Any, Any], n_devices: int, hello: dict[str, Any]) -> None:
+        """``cfg`` gives the store config in force (it is replaced on reload); ``hello``: the
+        fields every accepted hello carries."""
+        self._cfg = cfg
+        self._stopping = stopping
+        self.arena = arena
+        self.stats = stats
+        self.log = log
+        self.prefix, self.mode, self.group = prefix, mode, group
+        self.sock_path = sock_path
+        self.table = conn_table
+        self.n_devices = n_devices
+        self.hello = hello
+        self.conns: dict[int, Conn] = {}
+        self.tenant_ids: dict[str, int] = {}
+        """Tenant name -> the small id the allocator counts slots and pins under."""
+        self.generation = 0
+        self.lsock: socket.socket | None = None
+        self.handshakes: Handshakes | None = None
+
+    # ---- accepting -------------------------------------------------------------------------
+    def listen(self) -> None:
+        """Bind the service's socket: owner-only, or the access group's."""
+        try:
+            self.sock_path.unlink()
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # owner-only socket: only this user's engines may connect ...
+        try:
+            s.bind(str(self.sock_path))
+        finally:
+            os.umask(old)
+        if self.group is not None:  # ... and the configured group's
+            os.chown(self.sock_path, -1, self.group)
+            os.chmod(self.sock_path, 0o660)
+        s.listen(64)
+        s.setblocking(False)
+        self.lsock = s
+        self.handshakes = Handshakes(s)
+
+    def poll(self) -> None:
+        """Advance handshakes, open the connections whose hello is complete, reap gone clients."""
+        assert self.handshakes is not None
+        done, dropped = self.handshakes.poll()
+        for why in dropped:
+            self.log.warning("client handshake dropped", reason=why)
+        self.stats.set("handshakes_dropped", self.handshakes.dropped)
+        for s, cred, msg in done:
+            try:
+                self._open(s, cred, msg)
+            except Exception as e:  # a bad client must never take the service down
+                self.log.warning("client hello failed", error=str(e), pid=cred.pid)
+                s.close()
+        self.reap()
+
+    def _refuse(self, s: socket.socket, kind: str, error: str) -> None:
+        try:
+            s.send(P.refusal(kind, error))
+        except OSError:
+            pass
+        s.close()
+
+    def _open(self, s: socket.socket, cred: PeerCred, msg: dict[str, Any]) -> None:
+        cfg = self._cfg()
+        if msg.get("v") != P.VERSION or msg.get("op") != "hello":
+            return self._refuse(s, "protocol", f"expected a version {P.VERSION} hello "
+                                "(client and service of different kvstore versions?)")
+        if len(self.conns) >= cfg.service.max_clients:
+            self.reap()  # a client that just closed must not hold a place against this one
+        asked = msg.get("tenant", "")
+        try:
+            if not isinstance(asked, str):
+                raise ValueError("tenant must be a string")
+            tenant = cfg.tenant_for(asked, cred.uid, cred.groups())
+            salt = cfg.tenant_salt(tenant)
+        except (ValueError, KVStoreError) as e:
+            self.log.warning("client refused: tenant", pid=cred.pid, uid=cred.uid, tenant=str(asked)[:64])
+            return self._refuse(s, "tenant", str(e))
+        used = {c.id for c in self.conns.values()}
+        free = [i for i in range(cfg.service.max_clients) if i not in used]
+        if not free or self._stopping():
+            return self._refuse(s, "busy", f"the service has its maximum of {cfg.service.max_clients} "
+                                "clients (service.max_clients in the store config)")
+        cid = free[0]
+        nb = cfg.service.client_buffers
+        start = cid * nb
+        for i in range(start, start + nb):
+            if self.arena.state(i) != A.QUARANTINE:  # a hung worker's buffers stay out until it is reaped
+                self.arena.set_state(i, A.FREE)
+        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb, self.n_devices), self.mode,
+                             self.group)
+        sem_name = self.prefix + f"c{cid}.s"
+        sem = create_semaphore(sem_name, self.mode, self.group)
+        self.generation += 1
+        tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
+        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb, self.n_devices), sem, sem_name, start, nb, cred,
+                    salt, tenant, tid, generation=self.generation)
+        conn.chan.pins[:] = -1
+        self.conns[cid] = conn
+        # the workers serve its direct reads from now on (the segment and semaphore exist)
+        self.table[cid] = (self.generation, start, nb)
+        try:
+            s.send(P.encode_frame({
+                **self.hello, "v": P.VERSION, "ok": True, "client_id": cid, "max_batch": nb, "lease_start": start,
+                "lease_count": nb, "segment": seg.name, "sem": sem_name, "salt": salt,
+                "generation": self.generation, "tenant": tenant}))
+        except OSError as e:  # a fresh socket's buffer takes a hello answer; failing here means it is gone
+            conn.alive = False
+            s.close()
+            self.log.warning("client hello failed", error=str(e), pid=cred.pid)
+            return
+        self.stats.add("clients_total")
+        self.log.info("client connected", client=cid, pid=cred.pid, uid=cred.uid, tenant=tenant)
+
+    # ---- closing ---------------------------------------------------------------------------
+    def reap(self) -> None:
+        """Notice clients that closed their socket (or broke the protocol by sending on it);
+        drop them once no I/O uses their buffers."""
+        socks = [c.sock for c in self.conns.values() if c.alive]
+        if socks:
+            r, _, _ = select.select(socks, [], [], 0)
+            for s in r:
+                conn = next(c for c in self.conns.values() if c.sock is s)
+                try:
+                    data = s.recv(64)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    self.log.warning("client sent bytes after its hello; disconnected", client=conn.id,
+                                     pid=conn.pid)
+                else:  # EOF: the client is gone (closed or died)
+                    self.log.info("client disconnected", client=conn.id, pid=conn.pid)
+                conn.alive = False
+                s.close()
+        for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
+            if self._direct_settled(conn):
+                self.drop(conn)
+
+    def _direct_settled(self, conn: Conn) -> bool:
+        """Whether no worker can still read into the gone client's buffers: take back those
+        handed over for direct reads and not taken yet; False while one is being read."""
+        busy = False
+        for b in range(conn.lease_start, conn.lease_start + conn.lease_count):
+            st = self.arena.state(b)
+            if A.kind(st) == A.DIRECT:
+                self.arena.cas_state(b, st, A.FREE)  # fails only if the worker took it just now
+                st = self.arena.state(b)
+            busy |= A.kind(st) == A.READING
+        return not busy
+
+    def drop(self, conn: Conn) -> None:
+        """Forget a connection: its counters are added, its buffers freed, its segment removed."""
+        self.count(conn)
+        self.table[conn.id]["gen"] = 0  # workers let go of its segment
+        del self.conns[conn.id]
+        conn.alive = False
+        for b in list(conn.inuse):  # e.g. a put answered early whose write failed to dispatch
+            if self.arena.state(b) != A.QUARANTINE:
+                give_back(conn, b, self.arena, A.FREE)
+        conn.seg.close()
+        conn.seg.unlink()
+        conn.sem.close()
+        unlink_semaphore(conn.sem_name)
+
+    def close(self) -> None:
+        """Stop accepting (shutdown): the socket and its file go, handshakes in progress are dropped."""
+        if self.handshakes is not None:
+            self.handshakes.close()
+            self.handshakes = None
+        if self.lsock is not None:
+            self.lsock.close()
+            self.lsock = None
+            try:
+                self.sock_path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def drop_all(self) -> None:
+        """Disconnect and drop every connection (shutdown, once no worker runs)."""
+        for conn in list(self.conns.values()):
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+            self.drop(conn)
+
+    # ---- what the rest of the service asks ---------------------------------------------------
+    def count(self, conn: Conn) -> None:
+        """Add what a client answered itself since last time (lookups, direct gets) to the stats.
+        The words are the client's: an increment that goes backwards or is implausibly large is
+        ignored (and not counted later either)."""
+        now = conn.chan.counters.copy()
+        delta = now - conn.counted
+        if (now >= conn.counted).all() and (delta < (1 << 40)).all():
+            for name, i in (("lookups", P.C_LOOKUPS), ("lookup_keys", P.C_LOOKUP_KEYS), ("gets", P.C_GETS),
+                            ("misses", P.C_GET_MISSES)):
+                if delta[i]:
+                    self.stats.add(name, int(delta[i]))
+            self.stats.hist[0] += delta[P.C_HIST:P.C_HIST + P.HIST_BUCKETS]
+        conn.counted = now
+
+    def count_all(self) -> int:
+        """``count`` every connection; returns how many clients are connected."""
+        for conn in self.conns.values():
+            self.count(conn)
+        return sum(1 for c in self.conns.values() if c.alive)
+
+    def reading(self, gid: int) -> bool:
+        """Whether a client pins ``gid`` for a direct read (the allocator asks before it reuses a
+        retired slot). The fence pairs with the client's between pinning and checking the slot:
+        the slot was retired before this call, so a client that pinned it after our look sees
+        it retired and does not read it."""
+        LIB.kv_fence()
+        return any(bool((c.chan.pins == gid).any()) for c in self.conns.values())
+
+    def fail_direct_reads(self, device: int) -> None:
+        """The worker of ``device`` is gone (no more DMA can land): fail the direct reads it had
+        taken, so that their clients see a miss now instead of waiting for their timeout."""
+        for conn in self.conns.values():
+            ch = conn.chan
+            for b in range(conn.lease_count):
+                i = conn.lease_start + b
+                st = self.arena.state(i)
+                if A.kind(st) == A.READING and int(ch.ddev[b]) == device:
+                    ch.pins[b] = -1
+                    ch.set_done(b, int(ch.dseq[b]), ST_WORKER_LOST)
+                    self.arena.set_state(i, A.CLIENT)
+                    try:
+                        conn.sem.release()
+                    except Exception:
+                        pass
+
+
+__all__ = ["Clients"]
