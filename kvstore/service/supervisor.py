@@ -1,7 +1,9 @@
 """The supervisor: owns one store's state on this server and serves its clients.
 
 Processes: this one (index, allocation, request loop), one I/O worker per
-device (``kvstore.ioworkers.worker``), spawned and restarted from here.
+device (``kvstore.ioworkers.worker``), spawned and restarted by ``workers.Workers``.
+Client connections (hellos, reaping, pins) are ``clients.Clients``; slot-table
+checkpoints ``checkpoint``; this module composes them with the request loop.
 
 Shared memory (names from ``shm.segment.name_prefix``):
 
@@ -45,7 +47,7 @@ from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRIT
 from ..crdt.agent import AgentParams, Peer, agent_main
 from ..crdt.keys import keypair_for, load_keypair
 from ..crdt.log import SyncRings
-from ..ioworkers.worker import WorkerParams, worker_main
+from ..ioworkers.worker import WorkerParams
 from ..shm import arena as A
 from ..shm.board import BOARD_BYTES, Board
 from ..digests import salted_words
@@ -54,7 +56,7 @@ from ..shm.index import KeyIndex
 from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
                            unlink_semaphore, wait_semaphore)
 from ..shm.slots import EMPTY, RETIRED, VALID, SlotMap, entry_words
-from ..shm.stats import D, StatsBlock, stats_nbytes
+from ..shm.stats import StatsBlock, stats_nbytes
 from ..storage.membership import Membership, read_membership
 from ..storage.header import HEADER_BLOCK
 from . import protocol as P
@@ -62,6 +64,7 @@ from .allocator import Allocator, Generations
 from .connections import Conn, Request, answer, give_back, take
 from .membership import MembershipWatcher, RefusedCopies
 from .clients import Clients
+from .workers import WorkerSlot, Workers
 from .checkpoint import CheckpointWriter, checkpoint_path, layout_fingerprint, load_checkpoint
 from .rebuild import scan_devices
 from .sync import SyncLink, new_epoch
@@ -87,23 +90,6 @@ class Op:
     t0: float
 
 
-@dataclass
-class WorkerSlot:
-    """A device's worker process and its rings."""
-
-    device: int
-    path: str
-    seg: Segment
-    rings: WorkerRings
-    wake: posix_ipc.Semaphore
-    wake_name: str
-    proc: Any = None
-    restarts: int = 0
-    old: Any = None          # a lost worker still exiting; the replacement waits for it
-    lost_at: float = 0.0
-    warned: bool = False
-
-
 class Supervisor:
     """Serves one store as one server. Invariant: it is the only writer of the slot
     table and key index, and every buffer it holds (SERVICE/QUARANTINE) is given
@@ -121,7 +107,8 @@ class Supervisor:
         self._segments: list[Segment] = []
         self._sems: list[str] = []
         self._lock_fd: int | None = None
-        self.workers: list[WorkerSlot] = []
+        self.workers: list[WorkerSlot] = []  # the Workers' slots, once started
+        self.pool: Workers | None = None
         self.clients: Clients | None = None
         self.pending: dict[int, Op] = {}
         self.writing: dict[bytes, int] = {}
@@ -130,10 +117,8 @@ class Supervisor:
         self._last_ckpt = time.monotonic()
         self.started = False
         self.rr = 0
-        self.zombies: list[tuple[Any, list[tuple[Conn, int]]]] = []
         self.old_agent: Any = None
         self.old_agent_at = 0.0
-        self._last_check_ns = 0
         self.sync: SyncLink | None = None
         self.agent: Any = None
         self.agent_restarts = 0
@@ -274,8 +259,13 @@ class Supervisor:
                 wake = self._sem(f"w{d}")
                 self.workers.append(WorkerSlot(d, path, seg, WorkerRings(seg.buf), wake, wake_name))
             self._mp = multiprocess.get_context("spawn")
+            self.pool = Workers(cfg=lambda: self.cfg, stopping=lambda: self.stop, mp=self._mp, stats=self.stats,
+                                log=self.log, arena=self.arena, params=self._worker_params,
+                                queued=lambda d: any(op.device == d for op in self.pending.values()),
+                                on_lost=self._worker_lost, on_replaced=self._worker_replaced)
+            self.pool.slots = self.workers
             for w in self.workers:
-                self._spawn(w)
+                self.pool.spawn(w)
             self.stats.set("config_generation", cfg.membership_gen)
             if len(cfg.servers) > 1:
                 self._start_sync()
@@ -445,9 +435,9 @@ class Supervisor:
             self.agent.join(5.0)
         self.agent = None
 
-    def _spawn(self, w: WorkerSlot) -> None:
+    def _worker_params(self, w: WorkerSlot) -> WorkerParams:
         cfg = self.cfg
-        params = WorkerParams(
+        return WorkerParams(
             device_path=w.path, device_index=w.device, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size,
             arena_name=self.prefix + "arena", arena_count=self.arena_count, control_name=self.prefix + "control",
             states_offset=self.states_off, worker_segment=self.prefix + f"w{w.device}",
@@ -458,10 +448,6 @@ class Supervisor:
             slot_size=self.sbs[w.device].slot_size,
             area_offsets=tuple(a.offset for a in self.sbs[w.device].areas),
             area_slots=tuple(a.slot_count for a in self.sbs[w.device].areas))
-        w.proc = self._mp.Process(target=worker_main, args=(params,), daemon=True,
-                                  name=f"kvstore-io-{cfg.name}-{w.device}")
-        w.proc.start()
-        self.stats.dev_set(w.device, "pid", w.proc.pid)
 
     def _digests(self, gids: Any) -> list[bytes]:
         return [bytes(x) for x in entry_words(self.slots[np.asarray(gids, dtype=np.int64)])]
@@ -812,35 +798,8 @@ class Supervisor:
         return n
 
     # ---- workers -------------------------------------------------------------------------------
-    def _check_workers(self) -> None:
-        """Replace dead or hung workers, never blocking the loop.
-
-        A worker is hung when an I/O it submitted to the device has been outstanding for
-        more than ``io_timeout_s`` (the age the worker publishes, counted from
-        ``io_submit``), or when it has work queued but its loop has not turned for that
-        long. Time a request spends queued in the ring behind reads is not held against
-        it: writes wait there by design (reads first)."""
-        now_ns = time.monotonic_ns()
-        tmo_ns = int(self.cfg.worker.io_timeout_s * 1e9)
-        # right after this loop itself was stopped (SIGSTOP, swap, CPU starvation), ages say
-        # nothing about the workers: judge them at the next tick, not now
-        judge = now_ns - self._last_check_ns < tmo_ns // 2
-        self._last_check_ns = now_ns
-        for w in self.workers:
-            if w.proc is None:
-                self._restart_worker(w)
-                continue
-            row = self.stats.device[w.device]
-            oldest = int(row[D["oldest_io_ns"]])
-            beat = int(row[D["loop_ns"]])
-            queued = any(op.device == w.device for op in self.pending.values()) if beat else False
-            if not w.proc.is_alive():
-                self._worker_lost(w, f"exited with code {w.proc.exitcode}")
-            elif judge and oldest and now_ns - oldest > tmo_ns:
-                self._worker_lost(w, f"a device I/O outstanding for more than {self.cfg.worker.io_timeout_s} s")
-            elif judge and beat and queued and now_ns - beat > tmo_ns:
-                self._worker_lost(w, f"its loop stalled for more than {self.cfg.worker.io_timeout_s} s "
-                                  "with work queued")
+    def _check_agent(self) -> None:
+        """Restart a sync agent that died; finish stopping a replaced one."""
         if self.agent is not None and not self.agent.is_alive() and not self.stop:
             self.log.warning("sync agent lost; restarting", pid=self.agent.pid, code=self.agent.exitcode)
             self.agent.join(0)
@@ -849,56 +808,23 @@ class Supervisor:
             self.stats.set("sync_restarts", self.agent_restarts)
             self._spawn_agent()
         self._check_agent_stop()
-        for z in list(self.zombies):
-            proc, held = z
-            if not proc.is_alive():  # no more DMA can land in its buffers
-                for conn, b in held:
-                    give_back(conn, b, self.arena, A.FREE)
-                self.zombies.remove(z)
 
-    def _worker_lost(self, w: WorkerSlot, why: str) -> None:
-        """Kill the worker and fail its I/Os now; the replacement starts once the old process
-        is gone (``_restart_worker``, polled: the loop never waits for a process)."""
-        self.log.warning("I/O worker lost; restarting", device=w.device, pid=w.proc.pid, reason=why)
-        if w.proc.is_alive():
-            w.proc.kill()
-        dead = not w.proc.is_alive()  # the kernel ends a dead process's AIO before it is reaped
+    def _worker_lost(self, device: int, dead: bool) -> list[tuple[Conn, int]]:
+        """Fail the I/Os a lost worker held (``Workers.lost``); unless it is ``dead`` already,
+        their buffers are quarantined and returned, to be freed once it is gone."""
         held: list[tuple[Conn, int]] = []
-        for tag, op in [(t, o) for t, o in self.pending.items() if o.device == w.device]:
+        for tag, op in [(t, o) for t, o in self.pending.items() if o.device == device]:
             del self.pending[tag]
             if not dead:
                 held.append((op.req.conn, op.buf))
                 op.req.quarantined.add(op.buf)
                 self.arena.set_state(op.buf, A.QUARANTINE)
             self._complete(op, ST_WORKER_LOST)
-        self.zombies.append((w.proc, held))
-        self.stats.dev_set(w.device, "oldest_io_ns", 0)
-        self.stats.dev_set(w.device, "loop_ns", 0)
-        w.old = w.proc
-        w.proc = None
-        w.lost_at = time.monotonic()
-        w.restarts += 1
-        self.stats.add("worker_restarts")
-        self.stats.dev_set(w.device, "restarts", w.restarts)
-        self._restart_worker(w)
+        return held
 
-    def _restart_worker(self, w: WorkerSlot) -> None:
-        """Start the replacement once the old worker has exited (it may still be in the kernel)."""
-        if self.stop or w.old is None:
-            return
-        if w.old.is_alive():
-            if time.monotonic() - w.lost_at > 5.0 and not w.warned:
-                w.warned = True
-                self.log.warning("old I/O worker still exiting; its device waits", device=w.device,
-                                 pid=w.old.pid)
-            return
-        w.old.join(0)
-        w.old = None
-        w.warned = False
-        w.rings.reset()
+    def _worker_replaced(self, device: int) -> None:
         if self.clients is not None:
-            self.clients.fail_direct_reads(w.device)
-        self._spawn(w)
+            self.clients.fail_direct_reads(device)
 
     # ---- loop ----------------------------------------------------------------------------------
     def _gauges(self, full: bool) -> None:
@@ -954,7 +880,9 @@ class Supervisor:
                         self.hints = []
                     if self.events is not None:
                         self.events.tick()
-                    self._check_workers()
+                    assert self.pool is not None
+                    self.pool.check()
+                    self._check_agent()
                     if self.watcher is not None:
                         self._check_membership()
                     full = now - last_full >= 1.0
@@ -995,14 +923,8 @@ class Supervisor:
         if self.clients is not None:
             self.clients.close()
         self._stop_agent()
-        for w in self.workers:
-            if w.proc is not None and w.proc.is_alive():
-                w.proc.terminate()
-        for proc in [p for w in self.workers for p in (w.proc, w.old) if p is not None]:
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
+        if self.pool is not None:
+            self.pool.stop_all()
         if self.ckpt is not None and self.started:  # the table changes no more: an exact checkpoint
             self.ckpt.join(60.0)
             self.ckpt.write()
@@ -1011,8 +933,11 @@ class Supervisor:
             self.ckpt = None
         if self.clients is not None:
             self.clients.drop_all()
-        for w in self.workers:
-            w.wake.close()
+        if self.pool is not None:
+            self.pool.close()
+        else:
+            for w in self.workers:
+                w.wake.close()
         self.workers = []
         for seg in self._segments:
             seg.close()
