@@ -28,8 +28,6 @@ static const uint8_t B2B_SIGMA[12][16] = {
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
-static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
-
 static inline uint64_t load64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);
@@ -46,16 +44,30 @@ static inline void store64(uint8_t *p, uint64_t v) {
     memcpy(p, &v, 8);
 }
 
+/* The mixing function G and one round over v[16] with message words m[16], written once for
+   both a uint64_t and a vector of them (the shifts and adds work lane by lane). */
+#define B2B_ROTR(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
 #define B2B_G(a, b, c, d, x, y)                    \
     do {                                           \
         v[a] = v[a] + v[b] + (x);                  \
-        v[d] = rotr64(v[d] ^ v[a], 32);            \
+        v[d] = B2B_ROTR(v[d] ^ v[a], 32);          \
         v[c] = v[c] + v[d];                        \
-        v[b] = rotr64(v[b] ^ v[c], 24);            \
+        v[b] = B2B_ROTR(v[b] ^ v[c], 24);          \
         v[a] = v[a] + v[b] + (y);                  \
-        v[d] = rotr64(v[d] ^ v[a], 16);            \
+        v[d] = B2B_ROTR(v[d] ^ v[a], 16);          \
         v[c] = v[c] + v[d];                        \
-        v[b] = rotr64(v[b] ^ v[c], 63);            \
+        v[b] = B2B_ROTR(v[b] ^ v[c], 63);          \
+    } while (0)
+#define B2B_ROUND(s)                               \
+    do {                                           \
+        B2B_G(0, 4, 8, 12, m[s[0]], m[s[1]]);      \
+        B2B_G(1, 5, 9, 13, m[s[2]], m[s[3]]);      \
+        B2B_G(2, 6, 10, 14, m[s[4]], m[s[5]]);     \
+        B2B_G(3, 7, 11, 15, m[s[6]], m[s[7]]);     \
+        B2B_G(0, 5, 10, 15, m[s[8]], m[s[9]]);     \
+        B2B_G(1, 6, 11, 12, m[s[10]], m[s[11]]);   \
+        B2B_G(2, 7, 8, 13, m[s[12]], m[s[13]]);    \
+        B2B_G(3, 4, 9, 14, m[s[14]], m[s[15]]);    \
     } while (0)
 
 /* RFC 7693 section 3.2, function F: compress one 128-byte block into h. t is the byte
@@ -68,17 +80,7 @@ static void b2b_compress(uint64_t h[8], const uint8_t block[128], uint64_t t, in
     for (int i = 0; i < 16; i++) m[i] = load64(block + 8 * i);
     /* unrolled, the message schedule is constant: m stays in registers (about 2x faster) */
 #pragma GCC unroll 12
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *s = B2B_SIGMA[r];
-        B2B_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
-        B2B_G(1, 5, 9, 13, m[s[2]], m[s[3]]);
-        B2B_G(2, 6, 10, 14, m[s[4]], m[s[5]]);
-        B2B_G(3, 7, 11, 15, m[s[6]], m[s[7]]);
-        B2B_G(0, 5, 10, 15, m[s[8]], m[s[9]]);
-        B2B_G(1, 6, 11, 12, m[s[10]], m[s[11]]);
-        B2B_G(2, 7, 8, 13, m[s[12]], m[s[13]]);
-        B2B_G(3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
+    for (int r = 0; r < 12; r++) B2B_ROUND(B2B_SIGMA[r]);
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
@@ -135,19 +137,6 @@ typedef uint64_t u64xL __attribute__((vector_size(8 * LANES)));
 #define KV_CLONES
 #endif
 
-#define VROTR(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
-#define VG(a, b, c, d, x, y)                       \
-    do {                                           \
-        v[a] = v[a] + v[b] + (x);                  \
-        v[d] = VROTR(v[d] ^ v[a], 32);             \
-        v[c] = v[c] + v[d];                        \
-        v[b] = VROTR(v[b] ^ v[c], 24);             \
-        v[a] = v[a] + v[b] + (y);                  \
-        v[d] = VROTR(v[d] ^ v[a], 16);             \
-        v[c] = v[c] + v[d];                        \
-        v[b] = VROTR(v[b] ^ v[c], 63);             \
-    } while (0)
-
 /* Final-block BLAKE2b-256 of `count` (<= LANES) messages of 1..128 bytes, msg[j] of len[j]
    bytes, each from state h0 after t0 bytes (see b2b_256_from); digest j to out + 32 * j. */
 KV_CLONES
@@ -168,17 +157,7 @@ static void b2b_256_lanes(const uint64_t h0[8], uint64_t t0, const uint8_t *cons
     v[12] ^= t;
     v[14] = ~v[14];  /* every lane's block is its last */
 #pragma GCC unroll 12
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *s = B2B_SIGMA[r];
-        VG(0, 4, 8, 12, m[s[0]], m[s[1]]);
-        VG(1, 5, 9, 13, m[s[2]], m[s[3]]);
-        VG(2, 6, 10, 14, m[s[4]], m[s[5]]);
-        VG(3, 7, 11, 15, m[s[6]], m[s[7]]);
-        VG(0, 5, 10, 15, m[s[8]], m[s[9]]);
-        VG(1, 6, 11, 12, m[s[10]], m[s[11]]);
-        VG(2, 7, 8, 13, m[s[12]], m[s[13]]);
-        VG(3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
+    for (int r = 0; r < 12; r++) B2B_ROUND(B2B_SIGMA[r]);
     for (int i = 0; i < 4; i++) {
         u64xL x = h[i] ^ v[i] ^ v[i + 8];
         for (int j = 0; j < count; j++) store64(out + 32 * j + 8 * i, x[j]);
