@@ -2,8 +2,9 @@
 
 Processes: this one (index, allocation, request loop), one I/O worker per
 device (``kvstore.ioworkers.worker``), spawned and restarted by ``workers.Workers``.
-Client connections (hellos, reaping, pins) are ``clients.Clients``; slot-table
-checkpoints ``checkpoint``; this module composes them with the request loop.
+Client connections (hellos, reaping, pins) are ``clients.Clients``; the sync
+agent's process ``agent.AgentProcess``; slot-table checkpoints ``checkpoint``;
+this module composes them with the request loop.
 
 Shared memory (names from ``shm.segment.name_prefix``):
 
@@ -40,12 +41,10 @@ import posix_ipc
 import structlog
 
 from ..config import StoreConfig, mass_home, run_dir
-from ..errors import AlreadyRunning, KVStoreError, NotAllowed
+from ..errors import AlreadyRunning, KVStoreError
 from ..logging import recent_warnings
 from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
                                   ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
-from ..crdt.agent import AgentParams, Peer, agent_main
-from ..crdt.keys import keypair_for, load_keypair
 from ..crdt.log import SyncRings
 from ..ioworkers.worker import WorkerParams
 from ..shm import arena as A
@@ -63,6 +62,7 @@ from . import protocol as P
 from .allocator import Allocator, Generations
 from .connections import Conn, Request, answer, give_back, take
 from .membership import MembershipWatcher, RefusedCopies
+from .agent import AgentProcess
 from .clients import Clients
 from .workers import WorkerSlot, Workers
 from .checkpoint import CheckpointWriter, checkpoint_path, layout_fingerprint, load_checkpoint
@@ -117,11 +117,8 @@ class Supervisor:
         self._last_ckpt = time.monotonic()
         self.started = False
         self.rr = 0
-        self.old_agent: Any = None
-        self.old_agent_at = 0.0
         self.sync: SyncLink | None = None
-        self.agent: Any = None
-        self.agent_restarts = 0
+        self.agent: AgentProcess | None = None
         self.to_publish: list[tuple[int, Any]] = []
         self.epoch = new_epoch()
         self.events: Any = None
@@ -309,7 +306,11 @@ class Supervisor:
         self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
                              self.cfg.sync.delta_log_records, self.stats, on_change=self._on_merge,
                              on_hint=self._on_hint)
-        self._spawn_agent()
+        self.agent = AgentProcess(cfg=lambda: self.cfg, server=self.server, area=self.area, home=self.home,
+                                  epoch=self.epoch, smap=self.smap, prefix=self.prefix, mp=self._mp,
+                                  stats=self.stats, log=self.log, sync=self.sync, resnapshot=self.resnapshot,
+                                  stopping=lambda: self.stop, give_up=self._give_up)
+        self.agent.spawn()
 
     # ---- membership: allow / deny while running ------------------------------------------------
     def _forget_area(self, area: int) -> int:
@@ -390,50 +391,8 @@ class Supervisor:
             return
         # the agent takes its peers and the keys it admits at spawn: replace it, without
         # waiting here (the new one binds the same addresses once the old one has exited)
-        self._replace_agent()
-
-    def _replace_agent(self) -> None:
-        """Ask the agent to stop; ``_check_agent_stop`` (polled) spawns its successor once it is gone."""
-        if self.agent is None:
-            if self.old_agent is None:
-                self._spawn_agent()
-            return
-        if self.agent.is_alive():
-            self.agent.terminate()
-        self.old_agent = self.agent
-        self.old_agent_at = time.monotonic()
-        self.agent = None
-        self._check_agent_stop()
-
-    def _check_agent_stop(self) -> None:
-        old = self.old_agent
-        if old is None:
-            return
-        if old.is_alive():
-            if time.monotonic() - self.old_agent_at > 5.0:
-                old.kill()  # SIGTERM ignored for 5 s: the replacement must not wait for ever
-            return
-        old.join(0)
-        self.old_agent = None
-        if not self.stop and self.agent is None:
-            self._spawn_agent()
-
-    def _stop_agent(self) -> None:
-        """Stop the agent and wait for it (shutdown only: the loop never waits for a process)."""
-        if self.old_agent is not None:
-            if self.old_agent.is_alive():
-                self.old_agent.kill()
-            self.old_agent.join(5.0)
-            self.old_agent = None
-        if self.agent is None:
-            return
-        if self.agent.is_alive():
-            self.agent.terminate()
-        self.agent.join(5.0)
-        if self.agent.is_alive():
-            self.agent.kill()
-            self.agent.join(5.0)
-        self.agent = None
+        if self.agent is not None:
+            self.agent.replace()
 
     def _worker_params(self, w: WorkerSlot) -> WorkerParams:
         cfg = self.cfg
@@ -477,33 +436,6 @@ class Supervisor:
     def _emit_removed(self, digests: list[bytes]) -> None:
         if self.events is not None and digests:
             self.events.removed(digests)
-
-    def _spawn_agent(self) -> None:
-        cfg = self.cfg
-        me = cfg.servers[self.area]
-        try:
-            public, secret = keypair_for(cfg.name, me.public_key.encode(), self.home) if me.public_key \
-                else load_keypair(cfg.name, self.server, self.home)
-        except NotAllowed as e:  # the administrator gave this server a key this machine does not hold
-            self.log.error("this server's key is not on this machine; stopping", error=str(e))
-            self.stop = True
-            return
-        # the membership the new agent serves is the one the supervisor merges for
-        assert self.sync is not None
-        self.sync.denied[:len(cfg.servers)] = [s.denied for s in cfg.servers]
-        peers = tuple(Peer(s.name, i, *s.endpoints, s.public_key.encode())
-                      for i, s in enumerate(cfg.servers) if i != self.area and not s.denied)
-        params = AgentParams(
-            store=cfg.name, server=self.server, area=self.area, epoch=self.epoch, pub=me.endpoints[0],
-            router=me.endpoints[1], public_key=public, secret_key=secret, peers=peers,
-            counts=tuple(tuple(c) for c in self.smap.counts), page_size=cfg.page_size,
-            sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=self.prefix + "bell",
-            flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
-            heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s,
-            snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.prefix + "peers")
-        self.agent = self._mp.Process(target=agent_main, args=(params,), daemon=True,
-                                      name=f"kvstore-sync-{cfg.name}")
-        self.agent.start()
 
     # ---- index helpers ----------------------------------------------------------------------
     def _own_device(self, gid: int) -> int | None:
@@ -798,16 +730,8 @@ class Supervisor:
         return n
 
     # ---- workers -------------------------------------------------------------------------------
-    def _check_agent(self) -> None:
-        """Restart a sync agent that died; finish stopping a replaced one."""
-        if self.agent is not None and not self.agent.is_alive() and not self.stop:
-            self.log.warning("sync agent lost; restarting", pid=self.agent.pid, code=self.agent.exitcode)
-            self.agent.join(0)
-            self.agent = None
-            self.agent_restarts += 1
-            self.stats.set("sync_restarts", self.agent_restarts)
-            self._spawn_agent()
-        self._check_agent_stop()
+    def _give_up(self) -> None:
+        self.stop = True
 
     def _worker_lost(self, device: int, dead: bool) -> list[tuple[Conn, int]]:
         """Fail the I/Os a lost worker held (``Workers.lost``); unless it is ``dead`` already,
@@ -882,7 +806,8 @@ class Supervisor:
                         self.events.tick()
                     assert self.pool is not None
                     self.pool.check()
-                    self._check_agent()
+                    if self.agent is not None:
+                        self.agent.check()
                     if self.watcher is not None:
                         self._check_membership()
                     full = now - last_full >= 1.0
@@ -922,7 +847,8 @@ class Supervisor:
             self.metrics = None
         if self.clients is not None:
             self.clients.close()
-        self._stop_agent()
+        if self.agent is not None:
+            self.agent.stop()
         if self.pool is not None:
             self.pool.stop_all()
         if self.ckpt is not None and self.started:  # the table changes no more: an exact checkpoint

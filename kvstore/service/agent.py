@@ -1,0 +1,131 @@
+"""The sync agent's process, as the supervisor runs it: started, replaced on a membership change,
+restarted when it dies, stopped at shutdown. The loop never waits for it.
+
+The agent itself (``kvstore.crdt.agent``) replicates location deltas with the peers; the
+supervisor merges what it hands over (``service/sync.py``). This module only manages the
+process: which peers and keys it is started with (the membership in force, the server's own
+keypair from this machine), and that a replaced agent is gone before its successor binds the
+same endpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..config import StoreConfig
+from ..crdt.agent import AgentParams, Peer, agent_main
+from ..crdt.keys import keypair_for, load_keypair
+from ..errors import NotAllowed
+from ..shm.slots import SlotMap
+from ..shm.stats import StatsBlock
+from .sync import SyncLink
+
+STOP_GRACE_S = 5.0  # a replaced agent that ignores SIGTERM this long is killed
+
+
+class AgentProcess:
+    """The sync agent's process (see the module doc)."""
+
+    def __init__(self, *, cfg: Callable[[], StoreConfig], server: str, area: int, home: Path, epoch: int,
+                 smap: SlotMap, prefix: str, mp: Any, stats: StatsBlock, log: Any, sync: SyncLink,
+                 resnapshot: set[int], stopping: Callable[[], bool], give_up: Callable[[], None]) -> None:
+        """``resnapshot``: areas whose full state the agent must fetch again (the supervisor adds to
+        it); ``give_up()`` stops the service (this server's key is not on this machine)."""
+        self._cfg = cfg
+        self.server, self.area, self.home, self.epoch = server, area, home, epoch
+        self.smap, self.prefix, self._mp = smap, prefix, mp
+        self.stats, self.log, self.sync = stats, log, sync
+        self.resnapshot = resnapshot
+        self._stopping = stopping
+        self._give_up = give_up
+        self.proc: Any = None
+        self.old: Any = None
+        self.old_at = 0.0
+        self.restarts = 0
+
+    def spawn(self) -> None:
+        """Start an agent for the membership in force."""
+        cfg = self._cfg()
+        me = cfg.servers[self.area]
+        try:
+            public, secret = keypair_for(cfg.name, me.public_key.encode(), self.home) if me.public_key \
+                else load_keypair(cfg.name, self.server, self.home)
+        except NotAllowed as e:  # the administrator gave this server a key this machine does not hold
+            self.log.error("this server's key is not on this machine; stopping", error=str(e))
+            self._give_up()
+            return
+        # the membership the new agent serves is the one the supervisor merges for
+        self.sync.denied[:len(cfg.servers)] = [s.denied for s in cfg.servers]
+        peers = tuple(Peer(s.name, i, *s.endpoints, s.public_key.encode())
+                      for i, s in enumerate(cfg.servers) if i != self.area and not s.denied)
+        params = AgentParams(
+            store=cfg.name, server=self.server, area=self.area, epoch=self.epoch, pub=me.endpoints[0],
+            router=me.endpoints[1], public_key=public, secret_key=secret, peers=peers,
+            counts=tuple(tuple(c) for c in self.smap.counts), page_size=cfg.page_size,
+            sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=self.prefix + "bell",
+            flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
+            heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s,
+            snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.prefix + "peers")
+        self.proc = self._mp.Process(target=agent_main, args=(params,), daemon=True,
+                                     name=f"kvstore-sync-{cfg.name}")
+        self.proc.start()
+
+    def replace(self) -> None:
+        """Ask the agent to stop; ``check`` (polled) spawns its successor once it is gone."""
+        if self.proc is None:
+            if self.old is None:
+                self.spawn()
+            return
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.old = self.proc
+        self.old_at = time.monotonic()
+        self.proc = None
+        self._finish_stop()
+
+    def check(self) -> None:
+        """Restart an agent that died; finish replacing one."""
+        if self.proc is not None and not self.proc.is_alive() and not self._stopping():
+            self.log.warning("sync agent lost; restarting", pid=self.proc.pid, code=self.proc.exitcode)
+            self.proc.join(0)
+            self.proc = None
+            self.restarts += 1
+            self.stats.set("sync_restarts", self.restarts)
+            self.spawn()
+        self._finish_stop()
+
+    def _finish_stop(self) -> None:
+        old = self.old
+        if old is None:
+            return
+        if old.is_alive():
+            if time.monotonic() - self.old_at > STOP_GRACE_S:
+                old.kill()  # SIGTERM ignored: the replacement must not wait for ever
+            return
+        old.join(0)
+        self.old = None
+        if not self._stopping() and self.proc is None:
+            self.spawn()
+
+    def stop(self) -> None:
+        """Stop the agent and wait for it (shutdown only: the loop never waits for a process)."""
+        if self.old is not None:
+            if self.old.is_alive():
+                self.old.kill()
+            self.old.join(5.0)
+            self.old = None
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+        self.proc = None
+
+
+__all__ = ["AgentProcess"]
