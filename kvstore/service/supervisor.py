@@ -2,17 +2,22 @@
 
 Processes: this one (index, allocation, request loop), one I/O worker per
 device (``kvstore.ioworkers.worker``), spawned and restarted by ``workers.Workers``.
-Client connections (hellos, reaping, pins) are ``clients.Clients``; the sync
-agent's process ``agent.AgentProcess``; slot-table checkpoints ``checkpoint``;
-this module composes them with the request loop.
+Client requests and device completions are ``requests.Requests``; client
+connections (hellos, reaping, pins) ``clients.Clients``; the sync agent's
+process ``agent.AgentProcess``; slot-table checkpoints ``checkpoint``. This
+module owns the store's state (slot table, index, allocator, shared memory),
+starts and stops everything, applies membership changes, and runs the loop
+that composes them.
 
 Shared memory (names from ``shm.segment.name_prefix``):
 
-    <p>control   slot table | key index | arena buffer states
+    <p>control   slot table | index head | key index | reference bits | arena buffer
+                 states | connection table (shm/control.py)
     <p>arena     page buffers (header block + page each)
     <p>stats     stats block
     <p>w<d>      rings of worker d
-    <p>c<id>     one per client connection (request ring + descriptors; service/connections.py)
+    <p>c<id>     one per client connection (request ring, descriptors, counters, direct-read
+                 rings, pins; service/protocol.py)
     sem.<p>bell  doorbell: every producer toward the supervisor posts it
     sem.<p>w<d>  wake-up of worker d;  sem.<p>c<id>.s  wake-up of client id
 
@@ -31,7 +36,6 @@ import fcntl
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,26 +47,23 @@ import structlog
 from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AlreadyRunning, KVStoreError
 from ..logging import recent_warnings
-from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER,
-                                  ST_OK, ST_WORKER_LOST, WorkerRings, REQUEST_RING)
+from ..ioworkers.protocol import REQUEST_RING, WorkerRings
 from ..crdt.log import SyncRings
 from ..ioworkers.worker import WorkerParams
 from ..shm import arena as A
 from ..shm.board import BOARD_BYTES, Board
-from ..digests import salted_words
 from ..shm.control import ControlLayout
 from ..shm.index import KeyIndex
 from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
                            unlink_semaphore, wait_semaphore)
-from ..shm.slots import EMPTY, RETIRED, VALID, SlotMap, entry_words
+from ..shm.slots import EMPTY, VALID, SlotMap, entry_words
 from ..shm.stats import StatsBlock, stats_nbytes
 from ..storage.membership import Membership, read_membership
-from ..storage.header import HEADER_BLOCK
-from . import protocol as P
 from .allocator import Allocator, Generations
-from .connections import Conn, Request, answer, give_back, take
+from .connections import Conn
 from .membership import MembershipWatcher, RefusedCopies
 from .agent import AgentProcess
+from .requests import Requests
 from .clients import Clients
 from .workers import WorkerSlot, Workers
 from .checkpoint import CheckpointWriter, checkpoint_path, layout_fingerprint, load_checkpoint
@@ -72,22 +73,6 @@ from .sync import SyncLink, new_epoch
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.02
-
-
-@dataclass
-class Op:
-    """One I/O dispatched to a worker."""
-
-    req: Request
-    index: int
-    gid: int
-    device: int
-    buf: int
-    op: int
-    words: np.ndarray[Any, Any]
-    length: int
-    gen: int
-    t0: float
 
 
 class Supervisor:
@@ -110,13 +95,10 @@ class Supervisor:
         self.workers: list[WorkerSlot] = []  # the Workers' slots, once started
         self.pool: Workers | None = None
         self.clients: Clients | None = None
-        self.pending: dict[int, Op] = {}
-        self.writing: dict[bytes, int] = {}
-        self.next_tag = 1
+        self.requests: Requests | None = None
         self.ckpt: CheckpointWriter | None = None
         self._last_ckpt = time.monotonic()
         self.started = False
-        self.rr = 0
         self.sync: SyncLink | None = None
         self.agent: AgentProcess | None = None
         self.to_publish: list[tuple[int, Any]] = []
@@ -256,9 +238,10 @@ class Supervisor:
                 wake = self._sem(f"w{d}")
                 self.workers.append(WorkerSlot(d, path, seg, WorkerRings(seg.buf), wake, wake_name))
             self._mp = multiprocess.get_context("spawn")
+            self.requests = Requests(self)
             self.pool = Workers(cfg=lambda: self.cfg, stopping=lambda: self.stop, mp=self._mp, stats=self.stats,
                                 log=self.log, arena=self.arena, params=self._worker_params,
-                                queued=lambda d: any(op.device == d for op in self.pending.values()),
+                                queued=self._queued,
                                 on_lost=self._worker_lost, on_replaced=self._worker_replaced)
             self.pool.slots = self.workers
             for w in self.workers:
@@ -438,313 +421,18 @@ class Supervisor:
             self.events.removed(digests)
 
     # ---- index helpers ----------------------------------------------------------------------
-    def _own_device(self, gid: int) -> int | None:
-        d, a, _s = self.smap.locate(gid)
-        return d if a == self.area else None
-
-    # ---- requests ----------------------------------------------------------------------------
-    def _serve_clients(self) -> int:
-        """Take at most one request per connection per loop turn (no client can starve another)."""
-        n = 0
-        assert self.clients is not None
-        for conn in list(self.clients.conns.values()):
-            if not conn.alive or conn.busy is not None:
-                continue
-            try:
-                m = conn.chan.requests.get_nowait()
-            except Exception:
-                continue
-            n += 1
-            got = take(conn, m, self.arena)
-            if got is None:
-                self.stats.add("requests_rejected")
-                continue
-            if isinstance(got, int):
-                self.stats.add("requests_rejected")
-                answer(conn, int(m["desc"]), int(m["seq"]), got)
-                continue
-            self._handle(got)
-        return n
-
-    def _respond(self, req: Request, status: int = P.S_OK, value: int = 0) -> None:
-        conn = req.conn
-        req.responded = True
-        if conn.busy is req:
-            conn.busy = None
-        answer(conn, req.desc, req.seq, status, value, req.results)
-
-    def _handle(self, req: Request) -> None:
-        op = req.op
-        if req.cancelled:  # the client timed out before we got to it: do nothing, give everything back
-            for b in req.bufs:
-                give_back(req.conn, b, self.arena, A.FREE)
-            self.stats.add("requests_cancelled")
-            return self._respond(req, P.S_CANCELLED)
-        if op == P.OP_PING:
-            return self._respond(req)
-        words = salted_words(req.keys, req.conn.salt)
-        if op == P.OP_LOOKUP:
-            return self._lookup(req, words)
-        if op in (P.OP_PIN, P.OP_UNPIN):
-            return self._pin(req, words, op == P.OP_PIN)
-        req.conn.busy = req
-        if op == P.OP_GET:
-            return self._get(req, words)
-        return self._put(req, words)
-
-    def _lookup(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        gids = self.index.lookup(words, self.local)
-        hit = gids >= 0
-        req.results[:] = np.where(hit, P.R_HIT, P.R_MISS)
-        if hit.any():
-            self.alloc.touch(gids[hit])
-        lead = int(np.argmin(hit)) if not hit.all() else len(hit)
-        self.stats.add("lookups")
-        self.stats.add("lookup_keys", req.count)
-        self._respond(req, P.S_OK, lead)
-
-    def _pin(self, req: Request, words: np.ndarray[Any, Any], pin: bool) -> None:
-        conn = req.conn
-        res = req.results
-        gids = self.index.lookup(words, self.local)
-        quota = self.cfg.pin_quota_for(conn.tenant, sum(len(r) for r in self.own))
-        done = 0
-        for i, g in enumerate(gids.tolist()):
-            if g < 0 or not self.local[g]:
-                res[i] = P.R_MISS  # only pages in this server's own areas can be pinned here
-            elif not pin:
-                res[i] = P.R_PINNED if self.alloc.unpin_client(g, conn.tenant_id) else P.R_MISS
-            elif self.alloc.pin_client(g, conn.tenant_id, quota):
-                res[i] = P.R_PINNED
-            else:
-                res[i] = P.R_QUOTA
-            done += int(res[i] == P.R_PINNED)
-        self._respond(req, P.S_OK, done)
-
-    def _dispatch(self, req: Request, i: int, gid: int, buf: int, op: int, words: np.ndarray[Any, Any],
-                  length: int, csum: int | None = None) -> bool:
-        """Queue one I/O on its device's worker; False when that worker is being replaced."""
-        d, a, s = self.smap.locate(gid)
-        w = self.workers[d]
-        if w.proc is None:
-            return False
-        sb = self.sbs[d]
-        tag = self.next_tag
-        self.next_tag += 1
-        e = self.slots[gid]
-        xfer = HEADER_BLOCK + (length + 4095) // 4096 * 4096
-        rec = (tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, int(e["gen"]),
-               int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0 if csum is None else F_CSUM, s,
-               length, csum or 0)
-        (w.rings.reads if op == OP_READ else w.rings.writes).put_nowait(np.array(rec, dtype=IO_REQUEST))
-        self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, int(e["gen"]), time.monotonic())
-        req.outstanding += 1
-        req.conn.ops += 1
-        w.wake.release()
-        return True
-
-    def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        gids = self.index.lookup(words, self.local)
-        req.results[:] = P.R_MISS
-        self.stats.add("gets")
-        found = np.nonzero(gids >= 0)[0]
-        self.stats.add("misses", req.count - len(found))
-        for i in found:
-            gid = int(gids[i])
-            self.alloc.pin(gid)
-            if not self._dispatch(req, int(i), gid, req.bufs[i], OP_READ, words[i],
-                                  int(self.slots["length"][gid])):
-                self.alloc.unpin(gid)
-                self.stats.add("misses")
-        self._maybe_finish(req)
-
-    def _put(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        res = req.results
-        n = req.count
-        wait = bool(req.flags & P.FLAG_WAIT)
-        present = self.index.lookup(words, self.local) >= 0
-        self.stats.add("puts")
-        self.stats.add("put_pages", n)
-        seen: set[bytes] = set()
-        ndev = len(self.workers)
-        for i in range(n):
-            key = words[i].tobytes()
-            buf = req.bufs[i]
-            length = int(req.lengths[i])
-            if present[i] or key in self.writing or key in seen or not 0 < length <= self.cfg.page_size:
-                res[i] = P.R_SKIPPED if 0 < length <= self.cfg.page_size else P.R_DROPPED
-                self.stats.add("put_skipped" if res[i] == P.R_SKIPPED else "put_dropped")
-                give_back(req.conn, buf, self.arena, A.FREE)
-                continue
-            seen.add(key)
-            gid = -1
-            dev = -1
-            quota = self.cfg.quota_for(req.conn.tenant)
-            for k in range(ndev):
-                d = (self.rr + k) % ndev
-                if self.workers[d].proc is None:
-                    continue  # its worker is being replaced
-                gid = self.alloc.allocate(d, req.conn.tenant_id, quota)
-                if gid >= 0:
-                    dev = d
-                    break
-            self.rr = (self.rr + 1) % ndev
-            if gid < 0:
-                res[i] = P.R_DROPPED
-                self.stats.add("put_dropped")
-                give_back(req.conn, buf, self.arena, A.FREE)
-                continue
-            self.writing[key] = gid
-            res[i] = P.R_QUEUED
-            if not self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length,
-                                  None if req.csums is None else int(req.csums[i])):
-                self.writing.pop(key, None)
-                self.alloc.abandon(gid, dev)
-                res[i] = P.R_DROPPED
-                self.stats.add("put_dropped")
-                give_back(req.conn, buf, self.arena, A.FREE)
-        self.stats.set("evictions", self.alloc.evictions)
-        if not wait:
-            self._respond(req)
-        self._maybe_finish(req)
-
-    def _maybe_finish(self, req: Request) -> None:
-        if req.outstanding or req.responded:
-            return
-        status = P.S_OK
-        if req.op == P.OP_GET:
-            # a cancelled get's pages go nowhere: the client gave up on them
-            cancelled = req.cancelled
-            for i, b in enumerate(req.bufs):
-                if b in req.quarantined:
-                    req.results[i] = P.R_MISS
-                    req.conn.inuse.discard(b)  # QUARANTINE: freed when the hung worker is reaped
-                else:
-                    give_back(req.conn, b, self.arena, A.FREE if cancelled else A.CLIENT)
-            if cancelled:
-                status = P.S_CANCELLED
-                self.stats.add("requests_cancelled")
-            self.stats.observe(0, time.monotonic() - req.t0)
-        elif req.cancelled:
-            status = P.S_CANCELLED
-            self.stats.add("requests_cancelled")
-        self._respond(req, status)
-
-    # ---- completions -------------------------------------------------------------------------
-    def _complete(self, op: Op, status: int) -> None:
-        req = op.req
-        res = req.results  # the service's own copy: written into the client's descriptor only at the answer
-        req.outstanding -= 1
-        req.conn.ops -= 1
-        if op.op == OP_READ:
-            self.alloc.unpin(op.gid)
-            if status == ST_OK:
-                res[op.index] = P.R_HIT  # gets are answered only once all their reads completed
-                if not self.local[op.gid] and len(self.hints) < 4096:
-                    self.hints.append(op.gid)
-                self.stats.add("hits")
-                self.stats.add("pages_read")
-                self.stats.add("bytes_read", op.length)
-            else:
-                res[op.index] = P.R_MISS
-                self.stats.add("misses")
-                if status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
-                    self.stats.add("validation_failures")
-                    self._distrust(op.gid, op.gen, status)
-                else:
-                    self.stats.add("io_errors")
-        else:
-            self.writing.pop(op.words.tobytes(), None)
-            if status == ST_OK:
-                self.alloc.commit(op.gid, op.words, op.length)
-                self.index.insert(op.words, op.gid)
-                self._note(op.gid)
-                self._emit_stored([op.gid])
-                res[op.index] = P.R_STORED
-                self.stats.add("pages_written")
-                self.stats.add("bytes_written", op.length)
-            else:
-                self.alloc.abandon(op.gid, op.device)
-                res[op.index] = P.R_DROPPED
-                self.stats.add("put_dropped")
-                self.stats.add("io_errors")
-            if op.buf in req.quarantined:
-                req.conn.inuse.discard(op.buf)
-            else:
-                give_back(req.conn, op.buf, self.arena, A.FREE)
-        self._maybe_finish(req)
-
     def _clients_reading(self, gid: int) -> bool:
         return self.clients is not None and self.clients.reading(gid)
 
-    def _direct_done(self, d: int, c: Any) -> None:
-        """A worker's report of a client's direct read (the client already has the page): count
-        it, hint peers whose pages we read, and drop a location that failed validation."""
-        status = int(c["status"])
-        where = int(c["where"])
-        try:
-            gid = self.smap.gid(d, where >> 40, where & ((1 << 40) - 1))
-        except IndexError:
-            return
-        if status == ST_OK:
-            self.stats.add("hits")
-            self.stats.add("pages_read")
-            self.stats.add("bytes_read", int(self.slots["length"][gid]))
-            if not self.local[gid] and len(self.hints) < 4096:
-                self.hints.append(gid)
-        elif status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
-            self.stats.add("validation_failures")
-            self._distrust(gid, int(c["gen"]), status)
-        else:
-            self.stats.add("io_errors")
-
-    def _distrust(self, gid: int, gen: int, status: int) -> None:
-        """Drop the location of a page that failed validation, if the slot still holds what was read."""
-        if int(self.slots["gen"][gid]) == gen and self.slots["state"][gid] == VALID:
-            own = self._own_device(gid)
-            if own is not None:
-                self.alloc.drop(gid, own)
-            else:
-                # another server's slot: distrust this generation only (RETIRED at the
-                # same generation outranks a re-delivered VALID; its next write does not)
-                self.slots["state"][gid] = RETIRED
-                self._emit_removed(self._digests([gid]))
-        self.log.warning("page failed validation; location dropped", gid=gid,
-                         reason="header" if status == ST_BAD_HEADER else "checksum")
-
-    def _drain_completions(self) -> int:
-        n = 0
-        for w in self.workers:
-            if w.proc is None:
-                continue  # being replaced: its rings are reset before the new worker starts
-            for c in w.rings.done.get_batch(256):
-                if int(c["kind"]) == K_DIRECT:
-                    n += 1
-                    self._direct_done(w.device, c)
-                    continue
-                op = self.pending.pop(int(c["tag"]), None)
-                if op is None:
-                    continue
-                n += 1
-                self._complete(op, int(c["status"]))
-        return n
-
-    # ---- workers -------------------------------------------------------------------------------
     def _give_up(self) -> None:
         self.stop = True
 
     def _worker_lost(self, device: int, dead: bool) -> list[tuple[Conn, int]]:
-        """Fail the I/Os a lost worker held (``Workers.lost``); unless it is ``dead`` already,
-        their buffers are quarantined and returned, to be freed once it is gone."""
-        held: list[tuple[Conn, int]] = []
-        for tag, op in [(t, o) for t, o in self.pending.items() if o.device == device]:
-            del self.pending[tag]
-            if not dead:
-                held.append((op.req.conn, op.buf))
-                op.req.quarantined.add(op.buf)
-                self.arena.set_state(op.buf, A.QUARANTINE)
-            self._complete(op, ST_WORKER_LOST)
-        return held
+        assert self.requests is not None
+        return self.requests.fail_device(device, dead)
+
+    def _queued(self, device: int) -> bool:
+        return self.requests is not None and any(op.device == device for op in self.requests.pending.values())
 
     def _worker_replaced(self, device: int) -> None:
         if self.clients is not None:
@@ -785,7 +473,8 @@ class Supervisor:
         last = last_full = 0.0
         try:
             while not self.stop:
-                n = self._drain_completions() + self._serve_clients()
+                assert self.requests is not None
+                n = self.requests.drain() + self.requests.serve()
                 if self.sync is not None:
                     n += self.sync.drain() + self.sync.serve_answers()
                     if self.to_publish:

@@ -1,0 +1,401 @@
+"""Client requests and device completions: the supervisor's request engine.
+
+``Requests.serve`` takes at most one request per connection per loop turn (no client can
+starve another) from the connections' rings (``connections.take``: the request is copied at
+intake, the descriptor is the service's until answered), and handles it: lookups and pins at
+once, gets and puts by dispatching I/O to the device workers (``_dispatch``: one record on the
+worker's read or write ring, the I/O in ``pending`` under its tag). ``drain`` takes the
+workers' completions: a read's page goes to its client once every read of the get is done, a
+write is committed to the slot table and indexed; a direct read's report (the client already
+has its page) is counted, hinted to peers, and drops a location that failed validation.
+``fail_device`` answers the I/Os of a lost worker.
+
+It works on the service's state through ``Store`` (the supervisor): the slot table, the key
+index, the allocator, the workers, the clients; the supervisor replaces some of it on a
+membership change, so this module never keeps its own copy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..config import StoreConfig
+from ..digests import salted_words
+from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER, ST_OK,
+                                  ST_WORKER_LOST)
+from ..shm import arena as A
+from ..shm.arena import Arena
+from ..shm.index import KeyIndex
+from ..shm.slots import RETIRED, VALID, SlotMap
+from ..shm.stats import StatsBlock
+from ..storage.header import HEADER_BLOCK
+from ..storage.superblock import Superblock
+from . import protocol as P
+from .allocator import Allocator
+from .clients import Clients
+from .connections import Conn, Request, answer, give_back, take
+from .workers import WorkerSlot
+
+
+class Store(Protocol):
+    """What the request engine reads and changes of the service (the supervisor provides it)."""
+
+    cfg: StoreConfig
+    log: Any
+    stats: StatsBlock
+    arena: Arena
+    slots: np.ndarray[Any, Any]
+    index: KeyIndex
+    alloc: Allocator
+    smap: SlotMap
+    sbs: tuple[Superblock, ...]
+    local: np.ndarray[Any, Any]
+    own: list[range]
+    area: int
+    workers: list[WorkerSlot]
+    clients: Clients | None
+    hints: list[int]
+    stop: bool
+
+    def _note(self, gid: int) -> None: ...
+    def _emit_stored(self, gids: Any) -> None: ...
+    def _emit_removed(self, digests: list[bytes]) -> None: ...
+    def _digests(self, gids: Any) -> list[bytes]: ...
+
+
+@dataclass
+class Op:
+    """One I/O dispatched to a worker."""
+
+    req: Request
+    index: int
+    gid: int
+    device: int
+    buf: int
+    op: int
+    words: np.ndarray[Any, Any]
+    length: int
+    gen: int
+    t0: float
+
+
+class Requests:
+    """The request engine (see the module doc). Invariant: every request taken is answered
+    exactly once, and every I/O in ``pending`` completes exactly once (by the worker, or by
+    ``fail_device``)."""
+
+    def __init__(self, store: Store) -> None:
+        self.s = store
+        self.pending: dict[int, Op] = {}   # tag -> the I/O a worker has (or will have)
+        self.writing: dict[bytes, int] = {}  # salted digest -> slot being written (dedupe)
+        self.next_tag = 1
+        self.rr = 0  # round-robin over devices for writes
+
+    def _own_device(self, gid: int) -> int | None:
+        d, a, _s = self.s.smap.locate(gid)
+        return d if a == self.s.area else None
+
+    # ---- requests ----------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Take at most one request per connection per loop turn (no client can starve another)."""
+        n = 0
+        assert self.s.clients is not None
+        for conn in list(self.s.clients.conns.values()):
+            if not conn.alive or conn.busy is not None:
+                continue
+            try:
+                m = conn.chan.requests.get_nowait()
+            except Exception:
+                continue
+            n += 1
+            got = take(conn, m, self.s.arena)
+            if got is None:
+                self.s.stats.add("requests_rejected")
+                continue
+            if isinstance(got, int):
+                self.s.stats.add("requests_rejected")
+                answer(conn, int(m["desc"]), int(m["seq"]), got)
+                continue
+            self._handle(got)
+        return n
+
+    def _respond(self, req: Request, status: int = P.S_OK, value: int = 0) -> None:
+        conn = req.conn
+        req.responded = True
+        if conn.busy is req:
+            conn.busy = None
+        answer(conn, req.desc, req.seq, status, value, req.results)
+
+    def _handle(self, req: Request) -> None:
+        op = req.op
+        if req.cancelled:  # the client timed out before we got to it: do nothing, give everything back
+            for b in req.bufs:
+                give_back(req.conn, b, self.s.arena, A.FREE)
+            self.s.stats.add("requests_cancelled")
+            return self._respond(req, P.S_CANCELLED)
+        if op == P.OP_PING:
+            return self._respond(req)
+        words = salted_words(req.keys, req.conn.salt)
+        if op == P.OP_LOOKUP:
+            return self._lookup(req, words)
+        if op in (P.OP_PIN, P.OP_UNPIN):
+            return self._pin(req, words, op == P.OP_PIN)
+        req.conn.busy = req
+        if op == P.OP_GET:
+            return self._get(req, words)
+        return self._put(req, words)
+
+    def _lookup(self, req: Request, words: np.ndarray[Any, Any]) -> None:
+        gids = self.s.index.lookup(words, self.s.local)
+        hit = gids >= 0
+        req.results[:] = np.where(hit, P.R_HIT, P.R_MISS)
+        if hit.any():
+            self.s.alloc.touch(gids[hit])
+        lead = int(np.argmin(hit)) if not hit.all() else len(hit)
+        self.s.stats.add("lookups")
+        self.s.stats.add("lookup_keys", req.count)
+        self._respond(req, P.S_OK, lead)
+
+    def _pin(self, req: Request, words: np.ndarray[Any, Any], pin: bool) -> None:
+        conn = req.conn
+        res = req.results
+        gids = self.s.index.lookup(words, self.s.local)
+        quota = self.s.cfg.pin_quota_for(conn.tenant, sum(len(r) for r in self.s.own))
+        done = 0
+        for i, g in enumerate(gids.tolist()):
+            if g < 0 or not self.s.local[g]:
+                res[i] = P.R_MISS  # only pages in this server's own areas can be pinned here
+            elif not pin:
+                res[i] = P.R_PINNED if self.s.alloc.unpin_client(g, conn.tenant_id) else P.R_MISS
+            elif self.s.alloc.pin_client(g, conn.tenant_id, quota):
+                res[i] = P.R_PINNED
+            else:
+                res[i] = P.R_QUOTA
+            done += int(res[i] == P.R_PINNED)
+        self._respond(req, P.S_OK, done)
+
+    def _dispatch(self, req: Request, i: int, gid: int, buf: int, op: int, words: np.ndarray[Any, Any],
+                  length: int, csum: int | None = None) -> bool:
+        """Queue one I/O on its device's worker; False when that worker is being replaced."""
+        d, a, s = self.s.smap.locate(gid)
+        w = self.s.workers[d]
+        if w.proc is None:
+            return False
+        sb = self.s.sbs[d]
+        tag = self.next_tag
+        self.next_tag += 1
+        e = self.s.slots[gid]
+        xfer = HEADER_BLOCK + (length + 4095) // 4096 * 4096
+        rec = (tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, int(e["gen"]),
+               int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0 if csum is None else F_CSUM, s,
+               length, csum or 0)
+        (w.rings.reads if op == OP_READ else w.rings.writes).put_nowait(np.array(rec, dtype=IO_REQUEST))
+        self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, int(e["gen"]), time.monotonic())
+        req.outstanding += 1
+        req.conn.ops += 1
+        w.wake.release()
+        return True
+
+    def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
+        gids = self.s.index.lookup(words, self.s.local)
+        req.results[:] = P.R_MISS
+        self.s.stats.add("gets")
+        found = np.nonzero(gids >= 0)[0]
+        self.s.stats.add("misses", req.count - len(found))
+        for i in found:
+            gid = int(gids[i])
+            self.s.alloc.pin(gid)
+            if not self._dispatch(req, int(i), gid, req.bufs[i], OP_READ, words[i],
+                                  int(self.s.slots["length"][gid])):
+                self.s.alloc.unpin(gid)
+                self.s.stats.add("misses")
+        self._maybe_finish(req)
+
+    def _put(self, req: Request, words: np.ndarray[Any, Any]) -> None:
+        res = req.results
+        n = req.count
+        wait = bool(req.flags & P.FLAG_WAIT)
+        present = self.s.index.lookup(words, self.s.local) >= 0
+        self.s.stats.add("puts")
+        self.s.stats.add("put_pages", n)
+        seen: set[bytes] = set()
+        ndev = len(self.s.workers)
+        for i in range(n):
+            key = words[i].tobytes()
+            buf = req.bufs[i]
+            length = int(req.lengths[i])
+            if present[i] or key in self.writing or key in seen or not 0 < length <= self.s.cfg.page_size:
+                res[i] = P.R_SKIPPED if 0 < length <= self.s.cfg.page_size else P.R_DROPPED
+                self.s.stats.add("put_skipped" if res[i] == P.R_SKIPPED else "put_dropped")
+                give_back(req.conn, buf, self.s.arena, A.FREE)
+                continue
+            seen.add(key)
+            gid = -1
+            dev = -1
+            quota = self.s.cfg.quota_for(req.conn.tenant)
+            for k in range(ndev):
+                d = (self.rr + k) % ndev
+                if self.s.workers[d].proc is None:
+                    continue  # its worker is being replaced
+                gid = self.s.alloc.allocate(d, req.conn.tenant_id, quota)
+                if gid >= 0:
+                    dev = d
+                    break
+            self.rr = (self.rr + 1) % ndev
+            if gid < 0:
+                res[i] = P.R_DROPPED
+                self.s.stats.add("put_dropped")
+                give_back(req.conn, buf, self.s.arena, A.FREE)
+                continue
+            self.writing[key] = gid
+            res[i] = P.R_QUEUED
+            if not self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length,
+                                  None if req.csums is None else int(req.csums[i])):
+                self.writing.pop(key, None)
+                self.s.alloc.abandon(gid, dev)
+                res[i] = P.R_DROPPED
+                self.s.stats.add("put_dropped")
+                give_back(req.conn, buf, self.s.arena, A.FREE)
+        self.s.stats.set("evictions", self.s.alloc.evictions)
+        if not wait:
+            self._respond(req)
+        self._maybe_finish(req)
+
+    def _maybe_finish(self, req: Request) -> None:
+        if req.outstanding or req.responded:
+            return
+        status = P.S_OK
+        if req.op == P.OP_GET:
+            # a cancelled get's pages go nowhere: the client gave up on them
+            cancelled = req.cancelled
+            for i, b in enumerate(req.bufs):
+                if b in req.quarantined:
+                    req.results[i] = P.R_MISS
+                    req.conn.inuse.discard(b)  # QUARANTINE: freed when the hung worker is reaped
+                else:
+                    give_back(req.conn, b, self.s.arena, A.FREE if cancelled else A.CLIENT)
+            if cancelled:
+                status = P.S_CANCELLED
+                self.s.stats.add("requests_cancelled")
+            self.s.stats.observe(0, time.monotonic() - req.t0)
+        elif req.cancelled:
+            status = P.S_CANCELLED
+            self.s.stats.add("requests_cancelled")
+        self._respond(req, status)
+
+    # ---- completions -------------------------------------------------------------------------
+    def _complete(self, op: Op, status: int) -> None:
+        req = op.req
+        res = req.results  # the service's own copy: written into the client's descriptor only at the answer
+        req.outstanding -= 1
+        req.conn.ops -= 1
+        if op.op == OP_READ:
+            self.s.alloc.unpin(op.gid)
+            if status == ST_OK:
+                res[op.index] = P.R_HIT  # gets are answered only once all their reads completed
+                if not self.s.local[op.gid] and len(self.s.hints) < 4096:
+                    self.s.hints.append(op.gid)
+                self.s.stats.add("hits")
+                self.s.stats.add("pages_read")
+                self.s.stats.add("bytes_read", op.length)
+            else:
+                res[op.index] = P.R_MISS
+                self.s.stats.add("misses")
+                if status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
+                    self.s.stats.add("validation_failures")
+                    self._distrust(op.gid, op.gen, status)
+                else:
+                    self.s.stats.add("io_errors")
+        else:
+            self.writing.pop(op.words.tobytes(), None)
+            if status == ST_OK:
+                self.s.alloc.commit(op.gid, op.words, op.length)
+                self.s.index.insert(op.words, op.gid)
+                self.s._note(op.gid)
+                self.s._emit_stored([op.gid])
+                res[op.index] = P.R_STORED
+                self.s.stats.add("pages_written")
+                self.s.stats.add("bytes_written", op.length)
+            else:
+                self.s.alloc.abandon(op.gid, op.device)
+                res[op.index] = P.R_DROPPED
+                self.s.stats.add("put_dropped")
+                self.s.stats.add("io_errors")
+            if op.buf in req.quarantined:
+                req.conn.inuse.discard(op.buf)
+            else:
+                give_back(req.conn, op.buf, self.s.arena, A.FREE)
+        self._maybe_finish(req)
+
+    def _direct_done(self, d: int, c: Any) -> None:
+        """A worker's report of a client's direct read (the client already has the page): count
+        it, hint peers whose pages we read, and drop a location that failed validation."""
+        status = int(c["status"])
+        where = int(c["where"])
+        try:
+            gid = self.s.smap.gid(d, where >> 40, where & ((1 << 40) - 1))
+        except IndexError:
+            return
+        if status == ST_OK:
+            self.s.stats.add("hits")
+            self.s.stats.add("pages_read")
+            self.s.stats.add("bytes_read", int(self.s.slots["length"][gid]))
+            if not self.s.local[gid] and len(self.s.hints) < 4096:
+                self.s.hints.append(gid)
+        elif status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
+            self.s.stats.add("validation_failures")
+            self._distrust(gid, int(c["gen"]), status)
+        else:
+            self.s.stats.add("io_errors")
+
+    def _distrust(self, gid: int, gen: int, status: int) -> None:
+        """Drop the location of a page that failed validation, if the slot still holds what was read."""
+        if int(self.s.slots["gen"][gid]) == gen and self.s.slots["state"][gid] == VALID:
+            own = self._own_device(gid)
+            if own is not None:
+                self.s.alloc.drop(gid, own)
+            else:
+                # another server's slot: distrust this generation only (RETIRED at the
+                # same generation outranks a re-delivered VALID; its next write does not)
+                self.s.slots["state"][gid] = RETIRED
+                self.s._emit_removed(self.s._digests([gid]))
+        self.s.log.warning("page failed validation; location dropped", gid=gid,
+                         reason="header" if status == ST_BAD_HEADER else "checksum")
+
+    def drain(self) -> int:
+        n = 0
+        for w in self.s.workers:
+            if w.proc is None:
+                continue  # being replaced: its rings are reset before the new worker starts
+            for c in w.rings.done.get_batch(256):
+                if int(c["kind"]) == K_DIRECT:
+                    n += 1
+                    self._direct_done(w.device, c)
+                    continue
+                op = self.pending.pop(int(c["tag"]), None)
+                if op is None:
+                    continue
+                n += 1
+                self._complete(op, int(c["status"]))
+        return n
+
+    # ---- workers -------------------------------------------------------------------------------
+    def fail_device(self, device: int, dead: bool) -> list[tuple[Conn, int]]:
+        """Fail the I/Os a lost worker held (``Workers.lost``); unless it is ``dead`` already,
+        their buffers are quarantined and returned, to be freed once it is gone."""
+        held: list[tuple[Conn, int]] = []
+        for tag, op in [(t, o) for t, o in self.pending.items() if o.device == device]:
+            del self.pending[tag]
+            if not dead:
+                held.append((op.req.conn, op.buf))
+                op.req.quarantined.add(op.buf)
+                self.s.arena.set_state(op.buf, A.QUARANTINE)
+            self._complete(op, ST_WORKER_LOST)
+        return held
+
+
+__all__ = ["Op", "Requests", "Store"]
