@@ -2,7 +2,7 @@
 
     mass-ctl kvcache create STORE --device PATH... --page-size SIZE --server NAME[=HOST:PORT[:PUBLIC]]...
                             [--area-size SIZE | --spare N]
-    mass-ctl kvcache allow STORE NAME[=HOST:PORT] [--key PUBLIC] [--reuse DENIED] / deny STORE NAME
+    mass-ctl kvcache allow STORE NAME[=HOST:PORT] [--key=PUBLIC] [--reuse DENIED] / deny STORE NAME
     mass-ctl kvcache keygen STORE [--server NAME]
     mass-ctl kvcache connect STORE [--device PATH]... [--server NAME] [--admin-key HEX]
     mass-ctl kvcache connect STORE [--server NAME] --daemon / disconnect STORE [--server NAME]
@@ -130,7 +130,7 @@ def _pick_server(cfg: StoreConfig, name: str | None, home: Path | None = None) -
     raise NotAllowed(f"no key here matches an allowed server of store {cfg.name!r} "
                      f"({', '.join(s.name for s in cfg.allowed)}): make one with 'mass-ctl kvcache keygen "
                      f"{cfg.name}' and have the administrator run 'mass-ctl kvcache allow {cfg.name} "
-                     "NAME=HOST:PORT --key PUBLIC', or pass --server NAME")
+                     "NAME=HOST:PORT --key=PUBLIC', or pass --server NAME")
 
 
 def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> bool:
@@ -179,7 +179,7 @@ def cmd_allow(a: argparse.Namespace) -> int:
         return EXIT_FAIL if late else EXIT_OK
     if made:
         print(f"its keypair was made here: copy {key_path(cfg.name, spec.name, home)} to {spec.name}'s "
-              f"MASS_HOME/keys/{cfg.name}/ (or allow its own key: --key PUBLIC from 'mass-ctl kvcache keygen')")
+              f"MASS_HOME/keys/{cfg.name}/ (or allow its own key: --key=PUBLIC from 'mass-ctl kvcache keygen')")
     print(f"next, on {spec.name}: mass-ctl kvcache connect {cfg.name} --device PATH (machines already serving "
           f"the store pick the change up from the devices within {MEMBERSHIP_POLL_S:g} s)")
     return EXIT_FAIL if late else EXIT_OK
@@ -217,7 +217,8 @@ def cmd_keygen(a: argparse.Namespace) -> int:
         public = create_keypair(a.store, name, home)
         print(f"made the keypair of server {name} for store {a.store}: {p} (private: it never leaves this machine)")
     print(f"public key: {public}")
-    print(f"the administrator allows it with: mass-ctl kvcache allow {a.store} {name}=HOST:PORT --key '{public}'")
+    # --key=VALUE, not --key VALUE: a Z85 key may begin with '-', which argparse would take for an option
+    print(f"the administrator allows it with: mass-ctl kvcache allow {a.store} {name}=HOST:PORT --key='{public}'")
     return EXIT_OK
 
 
@@ -546,8 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("store")
     c.add_argument("server", metavar="NAME[=HOST:PORT[:PUBLIC]]", help="server name, sync address, public key")
     c.add_argument("--key", metavar="PUBLIC",
-                   help="the server's public key, as 'mass-ctl kvcache keygen' printed it there (default: make "
-                        "a keypair here, to be copied to the server)")
+                   help="the server's public key, as 'mass-ctl kvcache keygen' printed it there; write it "
+                        "--key=PUBLIC (a key may begin with '-') (default: make a keypair here, to be copied "
+                        "to the server)")
     c.add_argument("--events", metavar="HOST:PORT", help="where its service publishes vLLM-format KV events")
     c.add_argument("--metrics", metavar="HOST:PORT", help="its Prometheus endpoint")
     c.add_argument("--update", action="store_true",

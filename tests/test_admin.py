@@ -58,6 +58,24 @@ def test_create_with_servers_own_keys_makes_no_keypair(home: Path, monkeypatch: 
     again = capsys.readouterr().out
     key = first.split("public key: ")[1].split()[0]
     assert "already exists" in again and f"public key: {key}" in again
-    assert f"allow s a=HOST:PORT --key '{key}'" in first
+    assert f"allow s a=HOST:PORT --key='{key}'" in first
     assert main(["kvcache", "keygen", "s", "--server", "a", "--force"]) == 0
     assert key not in capsys.readouterr().out
+
+
+def test_a_key_that_begins_with_a_dash_is_allowed_as_keygen_prints_it(home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Z85 keys may begin with '-' (about 1 in 85): 'allow ... --key KEY' then fails in argparse, so keygen
+    prints '--key=KEY', and that form is accepted whatever the key begins with."""
+    monkeypatch.setenv("MASS_HOME", str(home))
+    raw = (63 * 85 ** 4).to_bytes(4, "big") + bytes(range(28))  # the first Z85 digit is the 63rd: '-'
+    key = zmq.utils.z85.encode(raw).decode()
+    assert key.startswith("-")
+    dev = str(home / "d.img")
+    assert main(["kvcache", "create", "s", "--device", dev, "--device-size", "16MiB", "--page-size", "64KiB",
+                 "--server", "a=127.0.0.1:7000", "--spare", "1"]) == 0
+    with pytest.raises(SystemExit):  # the form that fails, for the record
+        main(["kvcache", "allow", "s", "b=127.0.0.1:7002", "--key", key])
+    capsys.readouterr()
+    assert main(["kvcache", "allow", "s", "b=127.0.0.1:7002", f"--key={key}"]) == 0
+    assert [(x.server, x.public_key) for x in read_superblock(dev).areas if x.server == "b"] == [("b", raw)]

@@ -109,7 +109,7 @@ def test_machines_join_and_leave_through_the_devices_alone(home: Path, file_devi
     host_b, host_c = home / "host-b", home / "host-c"
     pub_b, pub_c = keygen(host_b, "b"), keygen(host_c, "c")
     for name, pub in (("b", pub_b), ("c", pub_c)):
-        r = ctl(home, "allow", "m", f"{name}=127.0.0.1:{free_port_pair()}", "--key", pub)
+        r = ctl(home, "allow", "m", f"{name}=127.0.0.1:{free_port_pair()}", f"--key={pub}")
         assert r.returncode == 0, r.stderr
         assert "applied by the running service(s) here: a" in r.stdout
         assert not (home / "keys" / "m" / f"{name}.key").exists()  # no private key was made here
