@@ -40,7 +40,7 @@ from .ioworkers.aio import LIB
 from .ioworkers.protocol import ST_OK
 from .shm.control import ControlLayout
 from .shm.index import IndexReader
-from .shm.slots import VALID
+from .shm.slots import VALID, SlotMap
 from .shm.stats import bucket_of
 from .shm import arena as A
 from .shm.segment import Segment, attach_semaphore, wait_semaphore
@@ -279,10 +279,7 @@ class KVCacheClient:
         cb = self._control_seg.buf
         self._slots = lay.slot_table(cb)
         self._index = IndexReader(lay.index_seq(cb), lay.index_entries(cb), self._slots, lay.ref_bits(cb))
-        # where each slot is: areas device-major (shm/slots.py SlotMap), for direct reads
-        counts = [list(a) for a in hello["areas"]]
-        self._n_areas = len(counts[0])
-        self._area_bases = np.cumsum([0] + [c for dev in counts for c in dev])[:-1].astype(np.int64)
+        self._smap = SlotMap(hello["areas"])  # where each slot is, for direct reads
         self._direct_state = A.tagged(A.DIRECT, hello["generation"])
         self._wakes = [attach_semaphore(name) for name in hello["workers"]]
         self._lock = threading.Lock()
@@ -542,8 +539,8 @@ class KVCacheClient:
             if gids is not None:
                 hit = gids >= 0
                 c = self._chan.counters
-                c[0] += 1
-                c[1] += len(keys)
+                c[P.C_LOOKUPS] += 1
+                c[P.C_LOOKUP_KEYS] += len(keys)
                 lead = int(np.argmin(hit)) if not hit.all() else len(keys)
                 return lead, hit.tolist()
             return self._lookup_service(ids, timeout)
@@ -651,8 +648,7 @@ class KVCacheClient:
         wake: set[int] = set()
         if ok.any():
             rows, lbs, gs = hit[ok], lb[ok], g[ok]
-            k = np.searchsorted(self._area_bases, gs, side="right") - 1
-            dev, area, slot = k // self._n_areas, k % self._n_areas, gs - self._area_bases[k]
+            dev, area, slot = self._smap.locate_many(gs)
             gens, lens = s["gen"][ok], s["length"][ok]
             for j in range(len(rows)):
                 b, dv = int(lbs[j]), int(dev[j])

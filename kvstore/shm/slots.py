@@ -79,9 +79,15 @@ class SlotMap:
 
     def locate(self, gid: int) -> tuple[int, int, int]:
         """(device, area, slot) of a global slot id."""
-        k = int(np.searchsorted(self._flat_bases, gid, side="right")) - 1
-        device, area = divmod(k, self.n_areas)
-        return device, area, gid - self.bases[device][area]
+        d, a, s = self.locate_many(np.array([gid], dtype=np.int64))
+        return int(d[0]), int(a[0]), int(s[0])
+
+    def locate_many(self, gids: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any],
+                                                               np.ndarray[Any, Any]]:
+        """(device, area, slot) arrays of global slot ids, vectorized. An empty area shares its
+        base with the next one; searching to the right picks the area that holds the slot."""
+        k = np.searchsorted(self._flat_bases, gids, side="right") - 1
+        return k // self.n_areas, k % self.n_areas, gids - self._flat_bases[k]
 
     def area_gids(self, device: int, area: int) -> range:
         """Global ids of one area's slots."""
