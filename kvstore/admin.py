@@ -99,10 +99,17 @@ def create_store(home: Path, name: str, devices: Sequence[str], page_size: int, 
         (without ``force``).
     """
     from .crdt.keys import create_keypair
-    from .storage.device import format_device
+    from .shm.index import MAX_SLOTS
+    from .storage.device import device_size, format_device
+    from .storage.superblock import plan_areas
 
     check_name(name, "store")
     devices = [os.path.abspath(d) for d in devices]  # the config is read from any working directory
+    slots = sum(a.slot_count for d in devices
+                for a in plan_areas(device_size(d), page_size, [s.name for s in servers], areas, area_slots))
+    if slots > MAX_SLOTS:  # checked before any device is formatted
+        raise ValueError(f"the devices hold {slots} slots of {page_size} bytes; a store holds at most "
+                         f"{MAX_SLOTS} (the key index's limit): use larger pages or fewer devices")
     events, metrics = events or {}, metrics or {}
     unknown = (set(events) | set(metrics)) - {s.name for s in servers}
     if unknown:

@@ -79,3 +79,22 @@ def test_a_key_that_begins_with_a_dash_is_allowed_as_keygen_prints_it(home: Path
     capsys.readouterr()
     assert main(["kvcache", "allow", "s", "b=127.0.0.1:7002", f"--key={key}"]) == 0
     assert [(x.server, x.public_key) for x in read_superblock(dev).areas if x.server == "b"] == [("b", raw)]
+
+
+def test_create_refuses_more_slots_than_the_key_index_holds_before_formatting(
+        home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The limit is 2^31 slots (u32 gids in the key index); a real device that large does not fit
+    here, so the test lowers the limit: what is checked is that create refuses with the limit
+    named, and formats nothing."""
+    import kvstore.shm.index
+
+    monkeypatch.setenv("MASS_HOME", str(home))
+    monkeypatch.setattr(kvstore.shm.index, "MAX_SLOTS", 100)
+    dev = home / "d.img"
+    assert main(["kvcache", "create", "s", "--device", str(dev), "--device-size", "16MiB", "--page-size", "64KiB",
+                 "--server", "a=127.0.0.1:7000"]) != 0
+    err = capsys.readouterr().err
+    assert "a store holds at most 100" in err and "use larger pages" in err
+    assert dev.read_bytes().count(0) == dev.stat().st_size  # nothing written
+    with pytest.raises(ValueError, match="exceed the key index's limit"):
+        kvstore.shm.index.index_capacity(101)

@@ -45,7 +45,7 @@ int kv_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired);
 uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v);
 void kv_fence(void);
 
-void kv_key_digests(const uint8_t *blob, const uint64_t *ends, int64_t n, const uint8_t *salt,
+void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
                     size_t saltlen, uint8_t *ids_out, uint8_t *salted_out);
 void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t saltlen, uint8_t *out);
 int64_t kv_index_lookup(const uint64_t *seq, const void *entries, uint64_t capacity, const void *slots,

@@ -203,17 +203,14 @@ static void b2b_salt(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t 
     }
 }
 
-void kv_key_digests(const uint8_t *blob, const uint64_t *ends, int64_t n, const uint8_t *salt,
+void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
                     size_t saltlen, uint8_t *ids_out, uint8_t *salted_out) {
-    uint64_t plain[8], starts[256], lens[256];
+    uint64_t plain[8], starts[256], at = 0;
     b2b_256_unkeyed_init(plain);
     for (int64_t done = 0; done < n; done += 256) {
         int64_t m = n - done < 256 ? n - done : 256;
-        for (int64_t i = 0; i < m; i++) {
-            starts[i] = done + i ? ends[done + i - 1] : 0;
-            lens[i] = ends[done + i] - starts[i];
-        }
-        b2b_256_batch(plain, 0, blob, starts, lens, m, ids_out + 32 * done);
+        for (int64_t i = 0; i < m; i++) { starts[i] = at; at += lens[done + i]; }
+        b2b_256_batch(plain, 0, blob, starts, lens + done, m, ids_out + 32 * done);
     }
     if (salt) b2b_salt(ids_out, n, salt, saltlen, salted_out);
 }
@@ -228,37 +225,46 @@ void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t salt
    longer holds their key, so the entry of a key that is present never changes under a reader; a
    rebuild rewrites the whole table, so it runs inside a seqlock: seq is odd while the table is
    being rewritten and grows by two per rebuild. */
-struct kv_index_entry { uint64_t tag; int64_t gid; };
 struct kv_slot { uint64_t gen, d[4]; uint32_t length; uint8_t state, pad[3]; };
 
 #define KV_SLOT_VALID 2
+/* An entry is one u64, read and written whole: tag (bits 0..31 of d0) in the low half, the
+   global slot id in the high half; all ones = empty. Home: the high half of d0 scaled to the
+   capacity (any capacity below 2^32, not only powers of two). */
+#define KV_EMPTY_ENTRY UINT64_MAX
+#define KV_EMPTY_GID 0xFFFFFFFFu
+
+static inline uint64_t kv_home(uint64_t d0, uint64_t capacity) { return ((d0 >> 32) * capacity) >> 32; }
 
 /* out[i] = global slot id holding digest words[i] (4 x u64), or -1. A hit sets ref[gid] = 1
    (the CLOCK reference bit: a page asked about is recently used) when ref is not NULL.
    Returns the number of hits, or -1 when the table was being rebuilt during the call (seq odd or
    changed): nothing in out can be trusted then, the caller retries or asks the service. A hit is
    a hint, as every lookup is: a get validates the page itself. */
-int64_t kv_index_lookup(const uint64_t *seq, const struct kv_index_entry *e, uint64_t capacity,
+int64_t kv_index_lookup(const uint64_t *seq, const uint64_t *e, uint64_t capacity,
                         const struct kv_slot *slots, uint64_t nslots, const uint64_t *words, int64_t n,
                         int64_t *out, uint8_t *ref) {
     uint64_t s0 = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
     if (s0 & 1) return -1;
-    uint64_t mask = capacity - 1;
     int64_t hits = 0;
     for (int64_t i = 0; i < n; i++) {
         const uint64_t *w = words + 4 * i;
-        uint64_t p = w[0] & mask;
+        uint64_t p = kv_home(w[0], capacity);
+        uint32_t tag = (uint32_t)w[0];
         int64_t found = -1;
-        for (uint64_t probe = 0; probe < capacity; probe++, p = (p + 1) & mask) {
-            int64_t g = __atomic_load_n(&e[p].gid, __ATOMIC_RELAXED);
-            if (g < 0) break;
-            if (__atomic_load_n(&e[p].tag, __ATOMIC_RELAXED) != w[0] || (uint64_t)g >= nslots) continue;
-            const struct kv_slot *s = &slots[g];
-            if (__atomic_load_n(&s->state, __ATOMIC_RELAXED) == KV_SLOT_VALID && s->d[0] == w[0]
-                && s->d[1] == w[1] && s->d[2] == w[2] && s->d[3] == w[3]) {
-                found = g;
-                break;
+        for (uint64_t probe = 0; probe < capacity; probe++) {
+            uint64_t v = __atomic_load_n(&e[p], __ATOMIC_RELAXED);
+            uint32_t g = (uint32_t)(v >> 32);
+            if (g == KV_EMPTY_GID) break;
+            if ((uint32_t)v == tag && g < nslots) {
+                const struct kv_slot *s = &slots[g];
+                if (__atomic_load_n(&s->state, __ATOMIC_RELAXED) == KV_SLOT_VALID && s->d[0] == w[0]
+                    && s->d[1] == w[1] && s->d[2] == w[2] && s->d[3] == w[3]) {
+                    found = g;
+                    break;
+                }
             }
+            if (++p == capacity) p = 0;
         }
         out[i] = found;
         if (found >= 0) {
@@ -285,21 +291,20 @@ void kv_seq_end(uint64_t *seq) {
 /* Index every VALID slot of the slot table into an index table that was just emptied (every gid
    -1): the supervisor's rebuild, one pass in slot order with no temporaries (at 10^7 slots the
    vectorized Python path needs seconds and gigabytes). Returns the entries used, or -1 if the
-   table is full (it is sized for twice the slots, so only with a wrong capacity). */
+   table is full (it is sized for 7/4 of the slots, so only with a wrong capacity). */
 int64_t kv_index_fill(void *entries, uint64_t capacity, const void *slots, uint64_t nslots) {
-    struct kv_index_entry *e = entries;
+    uint64_t *e = entries;
     const struct kv_slot *s = slots;
-    uint64_t mask = capacity - 1;
     int64_t used = 0;
+    if (nslots > KV_EMPTY_GID) return -1;
     for (uint64_t g = 0; g < nslots; g++) {
         if (s[g].state != KV_SLOT_VALID) continue;
-        uint64_t p = s[g].d[0] & mask, probe = 0;
-        while (e[p].gid >= 0) {
+        uint64_t p = kv_home(s[g].d[0], capacity), probe = 0;
+        while (__atomic_load_n(&e[p], __ATOMIC_RELAXED) != KV_EMPTY_ENTRY) {
             if (++probe == capacity) return -1;
-            p = (p + 1) & mask;
+            if (++p == capacity) p = 0;
         }
-        e[p].tag = s[g].d[0];
-        __atomic_store_n(&e[p].gid, (int64_t)g, __ATOMIC_RELAXED);
+        __atomic_store_n(&e[p], (uint64_t)(uint32_t)s[g].d[0] | (g << 32), __ATOMIC_RELAXED);
         used++;
     }
     return used;

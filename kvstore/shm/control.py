@@ -4,7 +4,7 @@ In order, each part starting on a 64-byte boundary (docs/FORMAT.md "Control segm
 
     slot table      slots x 48 B       (shm/slots.py; the supervisor writes)
     index head      64 B: u64 seq      (odd while the key index is rebuilt; shm/index.py)
-    key index       capacity x 16 B    (shm/index.py; the supervisor writes)
+    key index       capacity x 8 B     (shm/index.py; the supervisor writes)
     reference bits  slots x 1 B        (CLOCK: set by whoever finds a page, cleared by the allocator)
     arena states    arena_count x u32  (shm/arena.py; each buffer's current owner writes)
     connections     max_clients x 16 B (CONN_DTYPE; the supervisor writes, the I/O workers

@@ -1,27 +1,36 @@
 """The key index: key digest -> global slot id, an open-addressing hash table in shm.
 
-Layout (docs/FORMAT.md "Key index"): ``capacity`` (a power of two, at least
-twice the slot count) entries of 16 bytes::
+Layout (docs/FORMAT.md "Key index"): ``capacity`` (``index_capacity``: 7/4 of the
+slot count, rounded up to a multiple of 8) entries of 8 bytes, each read and
+written as one u64::
 
     off size field
-      0    8  tag   u64, first 8 bytes of the key digest
-      8    8  gid   i64, global slot id; -1 = empty
+      0    4  tag   u32, bits 0..31 of the digest's first word d0
+      4    4  gid   u32, global slot id; 0xFFFFFFFF = empty
 
-Linear probing. The slot table is the truth: an entry counts only while its
-slot is VALID and holds a digest whose first word is the entry's tag, and a
-hit needs the full 32-byte digest to match. So nothing is ever deleted here:
-when a slot is retired or rewritten its entry simply stops counting
-("garbage"), inserts reuse garbage entries on their probe path, and the table
-is rebuilt from the slot table when used entries pass 3/4 of the capacity.
-Why not delete eagerly: merging peers' updates must stay vectorized (numpy over
-whole batches), and back-shift deletion is inherently one entry at a time.
+An entry's home is ``((d0 >> 32) * capacity) >> 32`` (the high half of d0 scaled to
+the table, so the capacity need not be a power of two and the tag's bits are
+independent of the home's); linear probing wraps at the end. Why 8 bytes and
+7/4: shared memory stays under 64 bytes per slot (48 slot-table entry, 14
+index, 1 reference byte); a 32-bit tag only filters probes, the truth is the
+slot table. Limit: ``MAX_SLOTS`` (2^31) slots per store.
+
+The slot table is the truth: an entry counts only while its slot is VALID and
+holds a digest whose low 32 bits of d0 are the entry's tag, and a hit needs the
+full 32-byte digest to match. So nothing is ever deleted here: when a slot is
+retired or rewritten its entry simply stops counting ("garbage"), inserts reuse
+garbage entries on their probe path, and the table is rebuilt from the slot
+table when used entries pass 3/4 of the capacity. Why not delete eagerly:
+merging peers' updates must stay vectorized (numpy over whole batches), and
+back-shift deletion is inherently one entry at a time.
 
 A key may have several entries (copies in several areas). ``lookup`` prefers
 a copy in a ``local`` slot, and falls back to another when one is retired.
 
 The supervisor is the only writer; clients read the table without a lock
 (``IndexReader``, in compiled code). That is safe because an insert only fills an
-empty entry or one whose slot no longer holds its key: the entry of a key that is
+empty entry or one whose slot no longer holds its key (one 8-byte store, so a
+reader never sees a tag with another entry's gid): the entry of a key that is
 present never changes under a reader, and an entry never becomes empty again. Only
 ``rebuild`` rewrites everything, so it runs inside a seqlock (the index head's
 ``seq`` is odd meanwhile); a reader that overlapped one retries.
@@ -38,18 +47,34 @@ import numpy as np
 from ..ioworkers.aio import FFI, LIB
 from .slots import VALID, entry_words
 
-ENTRY_DTYPE = np.dtype([("tag", "<u8"), ("gid", "<i8")])
+ENTRY_DTYPE = np.dtype([("tag", "<u4"), ("gid", "<u4")])
+EMPTY_GID = 0xFFFF_FFFF
+EMPTY_ENTRY = 0xFFFF_FFFF_FFFF_FFFF  # the u64 of an empty entry (gid and tag all ones)
+MAX_SLOTS = 1 << 31    # gids fit in u32 with room for EMPTY_GID; capacity stays below 2^32
 REBUILD_FILL = 0.75
 INDEX_HEAD_BYTES = 64  # u64 seq (the rebuild seqlock), then reserved
 READ_TRIES = 8         # lookups that overlap a rebuild before a reader gives up (each waits a bit longer)
 
 
 def index_capacity(total_slots: int) -> int:
-    """Entries for ``total_slots`` slots: the next power of two >= 2 * slots (min 16)."""
-    cap = 16
-    while cap < 2 * total_slots:
-        cap *= 2
-    return cap
+    """Entries for ``total_slots`` slots: 7/4 of them rounded up to a multiple of 8 (min 16).
+
+    Raises ``ValueError`` past ``MAX_SLOTS``."""
+    if total_slots > MAX_SLOTS:
+        raise ValueError(f"{total_slots} slots exceed the key index's limit of {MAX_SLOTS} per store; "
+                         "use larger pages or fewer devices per store")
+    return max(16, (7 * total_slots + 31) // 32 * 8)
+
+
+def home(tags64: np.ndarray[Any, Any], capacity: int) -> np.ndarray[Any, Any]:
+    """Home entries (int64) of digests whose first words are ``tags64`` (u64)."""
+    h: np.ndarray[Any, Any] = (((tags64 >> np.uint64(32)) * np.uint64(capacity)) >> np.uint64(32)).astype(np.int64)
+    return h
+
+
+def _tags(d0: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    t: np.ndarray[Any, Any] = (d0 & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
+    return t
 
 
 @dataclass(frozen=True)
@@ -67,30 +92,35 @@ class IndexStatistics:
 class KeyIndex:
     """Open-addressing table over ``entries`` (numpy view), checked against ``slots``.
 
-    Invariant: every VALID slot's key has an entry reachable by probing from
-    ``tag & mask`` before the first empty entry.
+    Invariant: every VALID slot's key has an entry reachable by probing from its
+    home before the first empty entry.
     """
 
     def __init__(self, entries: np.ndarray[Any, Any], slots: np.ndarray[Any, Any], *, init: bool,
                  seq: np.ndarray[Any, Any] | None = None) -> None:
         """``seq``: the one-word seqlock readers in other processes check (private if None)."""
         self.e = entries
+        self._w = entries.view("<u8")  # each entry as one u64: stores of whole entries
         self.seq = seq if seq is not None else np.zeros(1, dtype="<u8")
         self._seq_ptr = FFI.cast("uint64_t *", self.seq.ctypes.data)
         self.slots = slots
         self.capacity = len(entries)
-        if self.capacity & (self.capacity - 1):
-            raise ValueError("index capacity must be a power of two")
-        self.mask = self.capacity - 1
+        if len(slots) > MAX_SLOTS or self.capacity >= 1 << 32 or self.capacity < 1:
+            raise ValueError(f"an index of {self.capacity} entries over {len(slots)} slots is out of range")
         if init:
-            self.e["gid"] = -1
-            self.e["tag"] = 0
-        self.used = int(np.count_nonzero(self.e["gid"] >= 0))
+            self._w[:] = EMPTY_ENTRY
+        self.used = int(np.count_nonzero(self.e["gid"] != EMPTY_GID))
         self.rebuilds = 0
 
+    def _step(self, pos: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        nxt = pos + 1
+        nxt[nxt == self.capacity] = 0
+        return nxt
+
     def _live(self, gids: np.ndarray[Any, Any], tags: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        s = self.slots[np.maximum(gids, 0)]
-        live: np.ndarray[Any, Any] = (gids >= 0) & (s["state"] == VALID) & (s["d0"] == tags)
+        full = gids == EMPTY_GID
+        s = self.slots[np.where(full, 0, gids)]
+        live: np.ndarray[Any, Any] = ~full & (s["state"] == VALID) & (_tags(s["d0"]) == tags)
         return live
 
     def lookup(self, words: np.ndarray[Any, Any], local: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any]:
@@ -104,14 +134,15 @@ class KeyIndex:
         res = np.full(n, -1, dtype=np.int64)
         if n == 0:
             return res
-        tags = np.ascontiguousarray(words[:, 0])
-        pos = (tags & np.uint64(self.mask)).astype(np.int64)
+        d0 = np.ascontiguousarray(words[:, 0]).astype(np.uint64)
+        tags = _tags(d0)
+        pos = home(d0, self.capacity)
         active = np.arange(n)
         for _ in range(self.capacity):
             p = pos[active]
-            g = self.e["gid"][p]
+            g = self.e["gid"][p].astype(np.int64)
             t = self.e["tag"][p]
-            empty = g < 0
+            empty = g == EMPTY_GID
             cand = ~empty & (t == tags[active])
             settled = empty.copy()
             if cand.any():
@@ -133,7 +164,7 @@ class KeyIndex:
             active = active[~settled]
             if not len(active):
                 break
-            pos[active] = (pos[active] + 1) & self.mask
+            pos[active] = self._step(pos[active])
         return res
 
     def insert_many(self, words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any]) -> None:
@@ -149,29 +180,31 @@ class KeyIndex:
         if self.used + n > REBUILD_FILL * self.capacity:
             self.rebuild()
             return  # the rebuild indexed every VALID slot, these included
-        tags = np.ascontiguousarray(words[:, 0]).astype(np.uint64)
+        d0 = np.ascontiguousarray(words[:, 0]).astype(np.uint64)
+        tags = _tags(d0)
         gids = np.asarray(gids, dtype=np.int64)
-        pos = (tags & np.uint64(self.mask)).astype(np.int64)
+        # the whole entry, tag in the low half, written as one u64 (a reader never sees it torn)
+        packed = tags.astype(np.uint64) | (gids.astype(np.uint64) << np.uint64(32))
+        pos = home(d0, self.capacity)
         pending = np.arange(n)
         for _ in range(self.capacity):
             p = pos[pending]
             g = self.e["gid"][p]
             t = self.e["tag"][p]
-            free = (g < 0) | ~self._live(g, t) | (g == gids[pending])
+            free = (g == EMPTY_GID) | ~self._live(g, t) | (g == gids[pending])
             placed = np.zeros(len(pending), dtype=bool)
             if free.any():
                 fi = np.nonzero(free)[0]
                 _, first = np.unique(p[fi], return_index=True)
                 win = fi[first]
                 wp = p[win]
-                self.used += int(np.count_nonzero(self.e["gid"][wp] < 0))
-                self.e["tag"][wp] = tags[pending[win]]
-                self.e["gid"][wp] = gids[pending[win]]
+                self.used += int(np.count_nonzero(self.e["gid"][wp] == EMPTY_GID))
+                self._w[wp] = packed[pending[win]]
                 placed[win] = True
             pending = pending[~placed]
             if not len(pending):
                 return
-            pos[pending] = (pos[pending] + 1) & self.mask
+            pos[pending] = self._step(pos[pending])
         raise RuntimeError("key index full")
 
     def insert(self, words: np.ndarray[Any, Any], gid: int) -> None:
@@ -182,8 +215,7 @@ class KeyIndex:
         """Drop every entry and index all VALID slots again (clears the garbage)."""
         LIB.kv_seq_begin(self._seq_ptr)
         try:
-            self.e["gid"] = -1
-            self.e["tag"] = 0
+            self._w[:] = EMPTY_ENTRY
             self.rebuilds += 1
             # one compiled pass over the slot table (the vectorized insert needs seconds and
             # gigabytes of temporaries at 10^7 slots)
