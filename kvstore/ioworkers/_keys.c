@@ -234,6 +234,8 @@ struct kv_slot { uint64_t gen, d[4]; uint32_t length; uint8_t state, pad[3]; };
 #define KV_EMPTY_ENTRY UINT64_MAX
 #define KV_EMPTY_GID 0xFFFFFFFFu
 
+#define KV_GROUP 32  /* keys whose memory is fetched together in a lookup */
+
 static inline uint64_t kv_home(uint64_t d0, uint64_t capacity) { return ((d0 >> 32) * capacity) >> 32; }
 
 /* out[i] = global slot id holding digest words[i] (4 x u64), or -1. A hit sets ref[gid] = 1
@@ -247,29 +249,50 @@ int64_t kv_index_lookup(const uint64_t *seq, const uint64_t *e, uint64_t capacit
     uint64_t s0 = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
     if (s0 & 1) return -1;
     int64_t hits = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const uint64_t *w = words + 4 * i;
-        uint64_t p = kv_home(w[0], capacity);
-        uint32_t tag = (uint32_t)w[0];
-        int64_t found = -1;
-        for (uint64_t probe = 0; probe < capacity; probe++) {
-            uint64_t v = __atomic_load_n(&e[p], __ATOMIC_RELAXED);
-            uint32_t g = (uint32_t)(v >> 32);
-            if (g == KV_EMPTY_GID) break;
-            if ((uint32_t)v == tag && g < nslots) {
-                const struct kv_slot *s = &slots[g];
-                if (__atomic_load_n(&s->state, __ATOMIC_RELAXED) == KV_SLOT_VALID && s->d[0] == w[0]
-                    && s->d[1] == w[1] && s->d[2] == w[2] && s->d[3] == w[3]) {
-                    found = g;
-                    break;
-                }
-            }
-            if (++p == capacity) p = 0;
+    uint64_t homes[KV_GROUP];
+    /* Keys a group at a time, in three passes: prefetch each key's home entry, then the slot
+       entry its tag points to, then probe. In a large store both are cache misses (the index and
+       the slot table are tens of megabytes and keys land at random): taking them a key at a
+       time would pay the memory latency twice per key, one after the other. */
+    for (int64_t base = 0; base < n; base += KV_GROUP) {
+        int64_t m = n - base < KV_GROUP ? n - base : KV_GROUP;
+        for (int64_t j = 0; j < m; j++) {
+            homes[j] = kv_home(words[4 * (base + j)], capacity);
+            __builtin_prefetch(&e[homes[j]]);
         }
-        out[i] = found;
-        if (found >= 0) {
-            hits++;
-            if (ref) __atomic_store_n(&ref[found], 1, __ATOMIC_RELAXED);
+        for (int64_t j = 0; j < m; j++) {
+            uint64_t v = __atomic_load_n(&e[homes[j]], __ATOMIC_RELAXED);
+            uint32_t g = (uint32_t)(v >> 32);
+            if (g < nslots && (uint32_t)v == (uint32_t)words[4 * (base + j)]) {
+                __builtin_prefetch(&slots[g]);
+                __builtin_prefetch((const char *)&slots[g] + sizeof(struct kv_slot) - 1);
+            }
+        }
+        for (int64_t j = 0; j < m; j++) {
+            int64_t i = base + j;
+            const uint64_t *w = words + 4 * i;
+            uint64_t p = homes[j];
+            uint32_t tag = (uint32_t)w[0];
+            int64_t found = -1;
+            for (uint64_t probe = 0; probe < capacity; probe++) {
+                uint64_t v = __atomic_load_n(&e[p], __ATOMIC_RELAXED);
+                uint32_t g = (uint32_t)(v >> 32);
+                if (g == KV_EMPTY_GID) break;
+                if ((uint32_t)v == tag && g < nslots) {
+                    const struct kv_slot *s = &slots[g];
+                    if (__atomic_load_n(&s->state, __ATOMIC_RELAXED) == KV_SLOT_VALID && s->d[0] == w[0]
+                        && s->d[1] == w[1] && s->d[2] == w[2] && s->d[3] == w[3]) {
+                        found = g;
+                        break;
+                    }
+                }
+                if (++p == capacity) p = 0;
+            }
+            out[i] = found;
+            if (found >= 0) {
+                hits++;
+                if (ref) __atomic_store_n(&ref[found], 1, __ATOMIC_RELAXED);
+            }
         }
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);

@@ -92,7 +92,7 @@ def restart_from_full_checkpoint(home: Path, dev: str, slots: int) -> dict:
     table = np.zeros(slots, dtype=SLOT_DTYPE)
     rng = np.random.default_rng(1)
     for f in ("d0", "d1", "d2", "d3"):
-        table[f] = rng.integers(0, 2**63, slots, dtype=np.uint64)
+        table[f] = rng.integers(0, 2**64, slots, dtype=np.uint64, endpoint=False)  # uniform, as BLAKE2b is
     table["gen"] = np.arange(1, slots + 1, dtype=np.uint64)
     table["length"] = PS
     table["state"] = VALID
