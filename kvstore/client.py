@@ -517,7 +517,8 @@ class KVCacheClient:
             TypeError: a key is not ``bytes``.
             Timeout, ServiceLost: the service did not answer.
         """
-        return self._lookup(keys, timeout)[1]
+        found: list[bool] = self._lookup(keys, timeout)[1].tolist()
+        return found
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading keys of ``keys`` (a prefix chain) the store holds.
@@ -528,12 +529,13 @@ class KVCacheClient:
         """
         return self._lookup(keys, timeout)[0]
 
-    def _lookup(self, keys: Sequence[bytes], timeout: float | None) -> tuple[int, list[bool]]:
-        keys = check_keys(keys)
+    def _lookup(self, keys: Sequence[bytes], timeout: float | None) -> tuple[int, np.ndarray[Any, Any]]:
         with self._lock:
             self._check_open()
             self._check_service()
-            ids, words = key_digests(keys, self._salt)
+            if not isinstance(keys, (list, tuple)):
+                keys = list(keys)  # any iterable, as elsewhere
+            ids, words = key_digests(keys, self._salt)  # checks the keys (TypeError, ValueError)
             assert words is not None
             # answered here from the shared index, no round trip (it is a hint either way: a
             # get validates what it reads); only a lookup that keeps overlapping an index
@@ -543,22 +545,21 @@ class KVCacheClient:
                 hit = gids >= 0
                 c = self._chan.counters
                 c[P.C_LOOKUPS] += 1
-                c[P.C_LOOKUP_KEYS] += len(keys)
-                lead = int(np.argmin(hit)) if not hit.all() else len(keys)
-                return lead, hit.tolist()
+                c[P.C_LOOKUP_KEYS] += len(hit)
+                return int(np.argmin(hit)) if not hit.all() else len(hit), hit
             return self._lookup_service(ids, timeout)
 
-    def _lookup_service(self, ids: np.ndarray[Any, Any], timeout: float | None) -> tuple[int, list[bool]]:
+    def _lookup_service(self, ids: np.ndarray[Any, Any], timeout: float | None) -> tuple[int, np.ndarray[Any, Any]]:
         """Lookup through the service (caller holds the lock)."""
         deadline = self._deadline(timeout)
-        found: list[bool] = []
+        found = np.zeros(len(ids), dtype=bool)
         lead = 0
         for start in range(0, len(ids), self.max_batch):
             n = min(self.max_batch, len(ids) - start)
             d = self._acquire(deadline)
             self._keys(d, ids, start, n)
             value, res = self._call(d, P.OP_LOOKUP, n, 0, deadline)
-            found += (res == P.R_HIT).tolist()
+            found[start:start + n] = res == P.R_HIT
             if lead == start:
                 lead += value
         return lead, found

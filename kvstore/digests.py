@@ -10,17 +10,18 @@ every digest in the slot table, so taking salted digests from it would let one t
 another's pages. A client salts only for its own lookups (in ``KVCacheClient``), with its
 own tenant's salt, which the service hands it at the hello.
 
-Whole batches go through one call into compiled code (``_keys.c``), not a Python loop.
+Whole batches go through compiled code, not a Python loop: ``_keypack.c`` checks the keys and
+packs them into one buffer, ``ioworkers/_keys.c`` hashes them.
 """
 
 from __future__ import annotations
 
-import array
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from . import _keypack
 from .ioworkers.aio import FFI, LIB
 
 DIGEST_BYTES = 32
@@ -31,28 +32,20 @@ def _u8(buf: Any) -> Any:
 
 
 def check_keys(keys: Sequence[Any]) -> list[bytes]:
-    """``keys`` as a list, or ``TypeError``/``ValueError`` naming the first bad key."""
-    keys = list(keys)
-    if set(map(type, keys)) <= {bytes} and b"" not in keys:  # the common case, at C speed
-        return keys
-    for j, k in enumerate(keys):
-        if not isinstance(k, bytes):
-            raise TypeError(f"keys[{j}] must be bytes, got {type(k).__name__}")
-        if not k:
-            raise ValueError(f"keys[{j}] is empty")
-    return keys
+    """``keys`` as a new list, or ``TypeError``/``ValueError`` naming the first bad key
+    (not ``bytes``, or empty)."""
+    return _keypack.check(keys)
 
 
 def key_digests(keys: Sequence[bytes], salt: bytes | None = None) -> tuple[np.ndarray[Any, Any],
                                                                            np.ndarray[Any, Any] | None]:
     """Key ids of ``keys`` (``n x 32`` uint8) and, given the tenant ``salt``, their digests
-    (``n x 4`` little-endian u64 words), in one pass. Keys must be checked (``check_keys``)."""
+    (``n x 4`` little-endian u64 words), in one pass. Raises as ``check_keys``."""
     n = len(keys)
     ids = np.empty((n, DIGEST_BYTES), dtype=np.uint8)
     words = np.empty((n, 4), dtype="<u8") if salt is not None else None
     if n:
-        lens = array.array("Q", map(len, keys))  # the fastest way from Python to a u64 array here
-        blob = b"".join(keys)
+        blob, lens = _keypack.pack(keys)  # checked, concatenated, lengths as u64: one C pass
         LIB.kv_key_digests(_u8(blob), FFI.from_buffer("uint64_t[]", lens), n,
                            _u8(salt) if salt is not None else FFI.NULL, len(salt) if salt is not None else 0,
                            _u8(ids), _u8(words) if words is not None else FFI.NULL)

@@ -56,3 +56,16 @@ def test_bad_keys_are_named() -> None:
     with pytest.raises(ValueError, match=r"keys\[2\] is empty"):
         check_keys([b"a", b"b", b""])
     assert check_keys(iter([b"x"])) == [b"x"]
+    # the packer the hashing takes its input from checks the same way (it is what lookups use)
+    with pytest.raises(TypeError, match=r"keys\[0\] must be bytes, got bytearray"):
+        key_digests([bytearray(b"a")])
+    with pytest.raises(ValueError, match=r"keys\[1\] is empty"):
+        key_digests((b"a", b""), b"salt")
+    with pytest.raises(TypeError):
+        key_digests(5)  # type: ignore[arg-type]
+
+    class Key(bytes):
+        pass
+
+    ids, _ = key_digests((Key(b"k"), b"k"))  # a bytes subclass is bytes
+    assert bytes(ids[0]) == bytes(ids[1]) == hashlib.blake2b(b"k", digest_size=32).digest()
