@@ -320,21 +320,32 @@ class WorkerSide:
 
     def page_bytes_of(self, blocks: Sequence[int]) -> torch.Tensor:
         """The payload of the page made of ``blocks`` (a contiguous uint8 tensor of ``page_size``)."""
-        out = torch.zeros(self.client.page_size, dtype=torch.uint8)
+        out = torch.empty(self.client.page_size, dtype=torch.uint8)
+        self._fill(out, blocks)
+        return out
+
+    def _fill(self, out: torch.Tensor, blocks: Sequence[int]) -> None:
+        """Write the payload of the page made of ``blocks`` into ``out`` (uint8, ``page_size``): each
+        layer's blocks in logical order, then zeros (``out`` may be a reused buffer: nothing of an
+        earlier page may be saved with this one)."""
         idx = self._kernel(blocks)
         for cache, (off, shape) in zip(self.caches, self.parts):
             n = int(np.prod(shape)) * cache.element_size()
             out[off:off + n].view(self.dtype).view(shape).copy_(cache[idx])
-        return out
+        out[self.page_bytes:].zero_()
 
     def save(self, t: PageTransfer) -> int:
-        """Copy the pages of ``t`` out of the paged cache and put them; returns pages accepted (0 on error)."""
+        """Copy the pages of ``t`` out of the paged cache into leased page buffers (``reserve``: one
+        copy, from the cache straight into the memory the device is written from) and commit
+        them; returns pages accepted (0 on error)."""
         try:
             n = 0
             for s in range(0, len(t.keys), self.client.max_batch):
                 keys = list(t.keys[s:s + self.client.max_batch])
-                bufs = [self.page_bytes_of(t.block_ids[p]).numpy() for p in range(s, s + len(keys))]
-                r = self.client.put(keys, bufs)
+                with self.client.reserve(len(keys)) as pages:
+                    for j in range(len(keys)):
+                        self._fill(torch.frombuffer(pages[j], dtype=torch.uint8), t.block_ids[s + j])
+                    r = pages.commit(keys)  # the tensors over the buffers are gone: commit may revoke
                 n += r.stored + r.queued + r.skipped
             return n
         except Exception as e:

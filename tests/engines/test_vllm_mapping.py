@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore import KVCacheClient  # noqa: E402
-from kvstore.engines.vllm_mapping import SchedulerSide, WorkerSide, layout_of  # noqa: E402
+from kvstore.engines.vllm_mapping import PageTransfer, SchedulerSide, WorkerSide, layout_of  # noqa: E402
 from kvstore.keys import KeyNamespace  # noqa: E402
 from kvstore.testing import make_store, wait_for  # noqa: E402
 
@@ -194,3 +194,27 @@ def test_async_loads_report_errors_no_later_than_the_request(store: Path) -> Non
     assert wait_for(lambda: got.update(broken.take_done()) or "q" in got, 30)
     assert broken.take_errors() == set(range(20, 26))
     broken.close()
+
+
+def test_a_saved_page_carries_nothing_of_the_buffer_it_was_filled_in(home: Path, file_devices: Any,
+                                                                     services: Any) -> None:
+    """Saves fill leased buffers in place (``reserve``), and buffers are reused: with pages larger
+    than vLLM's blocks need, the rest of the page must be zeros, not what an earlier page (maybe
+    another tenant's) left in the buffer."""
+    ps = PAGE_BYTES + 4096
+    devs = file_devices.make(1, (1 << 20) + 64 * (4096 + ps))
+    make_store(home, "tail", devs, ps)
+    services(home, "tail")
+    with KVCacheClient.connect("tail", home=home) as c:
+        with c.reserve(c.max_batch) as dirty:  # every buffer of the lease full of 0xFF, never committed
+            for v in dirty:
+                v[:] = b"\xff" * ps
+        kv = caches(seed=3)
+        w = worker(c, kv)
+        assert w.save(PageTransfer("r1", (b"page-a",), ((4, 5),), (0,))) == 1
+        assert wait_for(lambda: c.lookup([b"page-a"]) == 1)
+        with c.get([b"page-a"]) as got:
+            page = bytes(got[0])
+        assert page[PAGE_BYTES:] == bytes(4096)
+        assert page[:PAGE_BYTES] == bytes(w.page_bytes_of((4, 5)).numpy()[:PAGE_BYTES])
+        assert any(page[:PAGE_BYTES])  # the blocks were random: a page of zeros would prove nothing
