@@ -163,6 +163,8 @@ class Worker:
         self.next_direct = DIRECT_TAG
         self.reports_dropped = 0
         self._to_wake: set[_Conn] = set()
+        self._refill = max(1, p.read_depth // 4)  # see _take
+        self._bell = False  # completions for the supervisor are on ``done``: ring its doorbell
         self._rr = 0
 
     def _reap(self, min_nr: int, timeout_s: float) -> bool:
@@ -170,10 +172,15 @@ class Worker:
         done = self.ctx.getevents(min_nr, 256, timeout_s)
         for c in done:
             self._complete(c.tag, c.result)
-        self._wake_clients()
+        self._wake()
         return bool(done)
 
-    def _wake_clients(self) -> None:
+    def _wake(self) -> None:
+        """Wake whoever a batch of completions concerns: the supervisor once, each client once.
+        (Per completion, each wake-up is a context switch, on two cores often a preemption.)"""
+        if self._bell:
+            self._bell = False
+            self.doorbell.release()
         for c in self._to_wake:
             try:
                 c.sem.release()
@@ -260,7 +267,10 @@ class Worker:
         c.chan.set_done(b, seq, status)
         self.arena.set_state(int(r["buf"]), A.CLIENT)
         c.inflight -= 1
-        self._to_wake.add(c)  # woken once per batch of completions (``_wake_clients``), not per read
+        if not c.inflight and not len(c.ring):
+            # the client waits for all the reads it posted: wake it when this worker holds none
+            # of them any more (once per batch of completions, ``_wake``), not for every page
+            self._to_wake.add(c)
         rec = (0, result, status, K_DIRECT, lat, int(r["gen"]), int(r["area"]) << 40 | int(r["slot"]))
         try:
             self.rings.done.put_nowait(rec)
@@ -271,7 +281,7 @@ class Worker:
         except WouldBlock:
             self.reports_dropped += 1  # the supervisor is behind: its statistics miss this read
         if c.gone and not c.inflight:
-            self._wake_clients()  # before its semaphore is closed
+            self._wake()  # before its semaphore is closed
             self._close_left()
 
     def _prepare_write(self, r: Any) -> None:
@@ -335,9 +345,10 @@ class Worker:
                 self.rings.done.put(rec, 1.0)
                 break
             except Exception:
+                self.doorbell.release()  # full: make sure the supervisor is draining it
                 if not self._parent_alive():
                     raise SystemExit(0) from None
-        self.doorbell.release()
+        self._bell = True
 
     def _parent_alive(self) -> bool:
         return os.getppid() == self.parent
@@ -346,7 +357,10 @@ class Worker:
         batch: list[tuple[int, int, Any, int, int, int]] = []
         now = time.monotonic_ns()
         room = self.p.read_depth - self.reads_inflight
-        if room > 0:
+        # with the device's queue still deep, refill it in batches, not one read per completion:
+        # each io_submit and each turn of this loop costs tens of microseconds of CPU that
+        # the device's own work (on a memory-backed one, a kernel thread's copy) needs
+        if room > 0 and (room >= self._refill or self.reads_inflight < self._refill):
             for r in self.rings.reads.get_batch(room):
                 tag = int(r["tag"])
                 self.pending[tag] = (r, now, None)
@@ -375,7 +389,7 @@ class Worker:
                 # the device refused the whole batch: fail its first request and go on
                 n = 0
                 self._complete(batch[0][5], -(e.errno or 5))
-                self._wake_clients()
+                self._wake()
                 batch = batch[1:]
                 continue
             batch = batch[n:]
