@@ -51,6 +51,8 @@ void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t salt
 int64_t kv_index_lookup(const uint64_t *seq, const void *entries, uint64_t capacity, const void *slots,
                         uint64_t nslots, const uint64_t *words, int64_t n, int64_t *out, uint8_t *ref);
 int64_t kv_index_fill(void *entries, uint64_t capacity, const void *slots, uint64_t nslots);
+int64_t kv_index_insert(void *entries, uint64_t capacity, const void *slots, uint64_t nslots,
+                        const uint64_t *d0s, const int64_t *gids, int64_t n);
 void kv_seq_begin(uint64_t *seq);
 void kv_seq_end(uint64_t *seq);
 """

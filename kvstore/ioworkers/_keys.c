@@ -320,6 +320,34 @@ int64_t kv_index_lookup(const uint64_t *seq, const uint64_t *e, uint64_t capacit
     return hits;
 }
 
+/* The writer's insert (kvstore/shm/index.py KeyIndex.insert_many): index slot gids[i] under
+   digest first word d0s[i], in batch order. Each takes the first entry on its probe path that is
+   empty, garbage (its slot is not VALID or holds another key) or already its own: so the entry of
+   a present key never changes under a reader. The slot must be VALID with its digest before its
+   entry is published (store-release). Returns the entries that were empty before (the caller's
+   count of used entries grows by that), or -1 if a probe found no room (a full table: the caller
+   rebuilds it at 3/4, so only with a wrong capacity). */
+int64_t kv_index_insert(void *entries, uint64_t capacity, const void *slots, uint64_t nslots,
+                        const uint64_t *d0s, const int64_t *gids, int64_t n) {
+    uint64_t *e = entries;
+    const struct kv_slot *s = slots;
+    int64_t fresh = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t g = (uint64_t)gids[i], p = kv_home(d0s[i], capacity), probe = 0;
+        if (g >= nslots) return -1;
+        for (;; probe++) {
+            if (probe == capacity) return -1;
+            uint64_t v = e[p];
+            uint32_t eg = (uint32_t)(v >> 32);
+            if (v == KV_EMPTY_ENTRY) { fresh++; break; }
+            if (eg == g || eg >= nslots || s[eg].state != KV_SLOT_VALID || (uint32_t)s[eg].d[0] != (uint32_t)v) break;
+            if (++p == capacity) p = 0;
+        }
+        __atomic_store_n(&e[p], (uint64_t)(uint32_t)d0s[i] | (g << 32), __ATOMIC_RELEASE);
+    }
+    return fresh;
+}
+
 /* Writer side of the seqlock: begin makes seq odd before the table is touched, end makes it
    even after every store to the table is visible. */
 void kv_seq_begin(uint64_t *seq) {
