@@ -163,7 +163,6 @@ class Worker:
         self.next_direct = DIRECT_TAG
         self.reports_dropped = 0
         self._to_wake: set[_Conn] = set()
-        self._refill = max(1, p.read_depth // 4)  # see _take
         self._bell = False  # completions for the supervisor are on ``done``: ring its doorbell
         self._rr = 0
 
@@ -357,10 +356,7 @@ class Worker:
         batch: list[tuple[int, int, Any, int, int, int]] = []
         now = time.monotonic_ns()
         room = self.p.read_depth - self.reads_inflight
-        # with the device's queue still deep, refill it in batches, not one read per completion:
-        # each io_submit and each turn of this loop costs tens of microseconds of CPU that
-        # the device's own work (on a memory-backed one, a kernel thread's copy) needs
-        if room > 0 and (room >= self._refill or self.reads_inflight < self._refill):
+        if room > 0:
             for r in self.rings.reads.get_batch(room):
                 tag = int(r["tag"])
                 self.pending[tag] = (r, now, None)
