@@ -30,6 +30,12 @@ def test_get_needs_no_supervisor(file_devices: Any, home: Path, services: Any) -
     make_store(home, "dr", file_devices.make(2, dev_size(100)), PS, service=ServiceConfig(client_buffers=32))
     svc = services(home, "dr")
     keys, absent = keys_of("K", 64), keys_of("A", 8)
+    with pytest.raises(ValueError, match="poll_s must be between 0 and 1"):
+        KVCacheClient.connect("dr", home=home, poll_s=2)
+    with KVCacheClient.connect("dr", home=home, timeout=10, poll_s=0) as c:  # single gets sleep: still served
+        c.put([b"one"], [page_bytes(b"one", PS)], wait=True)
+        with c.get([b"one"], timeout=2) as got:
+            assert check_batch([b"one"], got) == (1, 0, 0)
     with KVCacheClient.connect("dr", home=home, timeout=10) as c:
         for i in range(0, 64, 32):
             assert c.put(keys[i:i + 32], [page_bytes(k, PS) for k in keys[i:i + 32]], wait=True).stored == 32
@@ -52,8 +58,10 @@ def test_get_needs_no_supervisor(file_devices: Any, home: Path, services: Any) -
 
 
 def _reader(home: str, stop: Any, newest: Any, out: Any, seed: int) -> None:
-    """Reads recently written keys (the ones being evicted and rewritten) and checks every byte."""
+    """Reads recently written keys (the ones being evicted and rewritten) and checks every byte:
+    batches of 1, 2 (gets that poll for their answer) or 16 keys (gets that sleep), by seed."""
     rng = np.random.default_rng(seed)
+    size = (1, 2, 16)[seed % 3]
     hits = misses = wrong = calls = 0
     with KVCacheClient.connect("race", home=home, timeout=20) as c:
         while not stop.is_set():
@@ -61,7 +69,7 @@ def _reader(home: str, stop: Any, newest: Any, out: Any, seed: int) -> None:
             if top < 16:
                 time.sleep(0.01)
                 continue
-            idx = sorted(set(rng.integers(max(0, top - 120), top, 16).tolist()))
+            idx = sorted(set(rng.integers(max(0, top - 120), top, size).tolist()))
             batch = [b"race/%d" % i for i in idx]
             with c.get(batch) as got:
                 h, m, w = check_batch(batch, got)
