@@ -59,7 +59,7 @@ def random_regs(rng: np.random.Generator, smap: SlotMap, n: int, area: int | Non
     r["slot"] = rng.integers(0, smap.counts[0][0], n)
     r["gen"] = rng.integers(1, 1 << 40, n)
     for f in ("d0", "d1", "d2", "d3"):
-        r[f] = rng.integers(0, 1 << 63, n, dtype=np.uint64)
+        r[f] = rng.integers(0, 1 << 64, n, dtype=np.uint64, endpoint=False)  # uniform, as BLAKE2b is
     r["length"] = PAGE
     r["state"] = np.where(rng.random(n) < 0.8, VALID, RETIRED)
     return r
