@@ -16,8 +16,8 @@ can wait; and a deep write queue in the device is read latency):
    that just got its page often posts the next at once and a sleeping worker's
    wake-up costs tens of microseconds (big batches do not: the polling would
    take a core from whoever prepares the next one); then wait for the
-   supervisor's wake-up
-   semaphore (50 ms at most, then check the parent is alive).
+   supervisor's wake-up semaphore (50 ms at most, then check the parent is
+   alive).
 
 Clients' direct reads (gets that bypass the supervisor) come on one ring per
 connection per device, in the connection's segment; the worker finds the
