@@ -20,9 +20,9 @@ holds a digest whose low 32 bits of d0 are the entry's tag, and a hit needs the
 full 32-byte digest to match. So nothing is ever deleted here: when a slot is
 retired or rewritten its entry simply stops counting ("garbage"), inserts reuse
 garbage entries on their probe path, and the table is rebuilt from the slot
-table when used entries pass 3/4 of the capacity. Why not delete eagerly:
-merging peers' updates must stay vectorized (numpy over whole batches), and
-back-shift deletion is inherently one entry at a time.
+table when used entries pass 3/4 of the capacity. Why not delete eagerly: a
+back-shift deletion moves entries, and a lock-free reader probing meanwhile
+could miss a present key; retiring a slot stays one store to the slot table.
 
 A key may have several entries (copies in several areas). ``lookup`` prefers
 a copy in a ``local`` slot, and falls back to another when one is retired.
