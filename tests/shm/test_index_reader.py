@@ -99,3 +99,57 @@ def test_rebuild_in_another_process_never_shows_as_a_miss() -> None:
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def _churn_forever(buf: mmap.mmap, lay: ControlLayout, first: int, count: Any) -> None:
+    """The supervisor's side of eviction churn: retire slots and fill them with new keys, indexing
+    each one (inserts reuse garbage entries, also on the probe paths of keys that stay)."""
+    slots = lay.slot_table(buf)
+    ix = KeyIndex(lay.index_entries(buf), slots, init=False, seq=lay.index_seq(buf))
+    rng = np.random.default_rng(os.getpid())
+    n = 0
+    while True:
+        gid = int(rng.integers(first, len(slots)))
+        if slots[gid]["state"] == VALID:
+            slots[gid]["state"] = RETIRED
+        else:
+            w = rng.integers(0, 2**64, 4, dtype=np.uint64, endpoint=False)
+            _fill(slots, gid, w)  # the slot holds the key before its entry is published
+            ix.insert(w, gid)
+        n += 1
+        count[0] = n
+
+
+def test_inserts_in_another_process_never_hide_a_present_key() -> None:
+    """The adversary: a writer process retiring and refilling slots as fast as it can, each refill
+    an insert that may take a garbage entry on a present key's probe path (or rebuild the table at
+    3/4 use). A reader looking up the keys that stay must find every one, every time."""
+    n, stable = 4096, 1024
+    lay = ControlLayout.of(n, 4, 1)
+    buf = mmap.mmap(-1, lay.nbytes)
+    slots = lay.slot_table(buf)
+    ix = KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf))
+    words = np.stack([words_of(k, False) for k in range(stable)])
+    for k in range(stable):
+        _fill(slots, k, words[k])
+    ix.index_slots(np.arange(stable))
+    count = np.frombuffer(mmap.mmap(-1, 8), dtype=np.uint64)
+    reader = IndexReader(lay.index_seq(buf), lay.index_entries(buf), slots)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            _churn_forever(buf, lay, stable, count)
+        finally:
+            os._exit(0)
+    try:
+        answered = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            got = reader.lookup(words)
+            if got is not None:
+                answered += 1
+                assert np.array_equal(got, np.arange(stable)), f"{int((got < 0).sum())} present keys missing"
+        assert answered > 100 and int(count[0]) > 10_000, (answered, int(count[0]))  # both really ran
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
