@@ -48,7 +48,7 @@ class ControlLayout:
     index_offset: int
     """Offset of the index head; its entries follow it."""
     index_capacity: int
-    """Entries in the key index (a power of two)."""
+    """Entries in the key index (``index_capacity``: 7/4 of the slots)."""
     ref_offset: int
     """Offset of the reference bits, one byte per slot."""
     states_offset: int

@@ -20,9 +20,8 @@ rebuild parses real headers; the rest are holes. Per size it measures:
 
 Expected complexity: lookup O(batch), independent of the store size (a hash
 index read in the client); shared memory O(slots) at 48 bytes per slot-table
-entry, 16 bytes per index entry (the index being the next power of two of twice
-the slots: 32..64 bytes per slot) and a reference byte; rebuild O(slots) (one
-4 KiB read per slot).
+entry, 8 bytes per index entry (7/4 entries per slot: 14 bytes) and a reference
+byte, 63 in all; rebuild O(slots) (one 4 KiB read per slot).
 """
 
 from __future__ import annotations
