@@ -48,7 +48,6 @@ from .shm.segment import Segment, attach_semaphore, wait_semaphore
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_POLL_S = 0.002  # see ``connect``
-POLL_READS = 2          # direct reads of at most this many pages are polled for
 
 
 @dataclass(frozen=True)
@@ -685,9 +684,9 @@ class KVCacheClient:
         good = [False] * n
         waiting = list(posted)
         # a read of one or two pages is over in a few hundred microseconds: poll for it (yielding
-        # the core to whoever else wants it) rather than sleep, which adds a scheduler wake-up
+        # the core) rather than sleep, which adds a scheduler wake-up
         # (~50 us) to every single-page get; bigger batches sleep at once (``poll_s``, ``connect``)
-        spin_until = time.monotonic() + self._poll_s if len(waiting) <= POLL_READS else 0.0
+        poll_until = time.monotonic() + self._poll_s if len(waiting) <= P.POLL_READS else 0.0
         while waiting:
             left = []
             for row, b, seq in waiting:
@@ -713,7 +712,7 @@ class KVCacheClient:
                 self._views(bufs, [False] * len(bufs)).release()
                 raise Timeout("the device workers did not finish the reads within the timeout; "
                               "treat these pages as misses")
-            if time.monotonic() < spin_until:
+            if time.monotonic() < poll_until:
                 os.sched_yield()
                 continue
             wait_semaphore(self._sem, min(rest, 0.05))

@@ -120,9 +120,6 @@ static void b2b_256_unkeyed_init(uint64_t h[8]) {
     h[0] ^= 0x01010000ULL ^ 32;
 }
 
-/* Client key ids of n keys concatenated in blob: key i is blob[ends[i-1]:ends[i]] (ends[-1] = 0).
-   ids_out[i] = BLAKE2b-256(key i). If salt is not NULL also salted_out[i] = BLAKE2b-256(key=salt;
-   ids_out[i]), the service's digest of the key in the tenant's key space. */
 /* Several hashes at once: lane j of every vector belongs to message j, so one pass of the 12
    rounds compresses LANES blocks. Written once with GCC vector extensions; target_clones builds it
    for AVX-512 (8 native lanes, with a rotate instruction), AVX2 and the baseline, and the loader
@@ -223,6 +220,9 @@ static void b2b_salt(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t 
         b2b_256_lanes32(keyed, 128, ids + 32 * i, n - i < LANES ? (int)(n - i) : LANES, out + 32 * i);
 }
 
+/* Client key ids of n keys concatenated in blob, key i of lens[i] bytes: ids_out[i] =
+   BLAKE2b-256(key i). If salt is not NULL also salted_out[i] = BLAKE2b-256(key=salt; ids_out[i]),
+   the service's digest of the key in the tenant's key space. */
 void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
                     size_t saltlen, uint8_t *ids_out, uint8_t *salted_out) {
     uint64_t plain[8], starts[256], at = 0;
@@ -257,6 +257,7 @@ struct kv_slot { uint64_t gen, d[4]; uint32_t length; uint8_t state, pad[3]; };
 #define KV_GROUP 32  /* keys whose memory is fetched together in a lookup */
 
 static inline uint64_t kv_home(uint64_t d0, uint64_t capacity) { return ((d0 >> 32) * capacity) >> 32; }
+static inline uint64_t kv_entry(uint64_t d0, uint64_t gid) { return (uint64_t)(uint32_t)d0 | (gid << 32); }
 
 /* out[i] = global slot id holding digest words[i] (4 x u64), or -1. A hit sets ref[gid] = 1
    (the CLOCK reference bit: a page asked about is recently used) when ref is not NULL.
@@ -343,7 +344,7 @@ int64_t kv_index_insert(void *entries, uint64_t capacity, const void *slots, uin
             if (eg == g || eg >= nslots || s[eg].state != KV_SLOT_VALID || (uint32_t)s[eg].d[0] != (uint32_t)v) break;
             if (++p == capacity) p = 0;
         }
-        __atomic_store_n(&e[p], (uint64_t)(uint32_t)d0s[i] | (g << 32), __ATOMIC_RELEASE);
+        __atomic_store_n(&e[p], kv_entry(d0s[i], g), __ATOMIC_RELEASE);
     }
     return fresh;
 }
@@ -359,8 +360,8 @@ void kv_seq_end(uint64_t *seq) {
     __atomic_store_n(seq, __atomic_load_n(seq, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
 }
 
-/* Index every VALID slot of the slot table into an index table that was just emptied (every gid
-   -1): the supervisor's rebuild, one pass in slot order with no temporaries (at 10^7 slots the
+/* Index every VALID slot of the slot table into an index table that was just emptied (every
+   entry KV_EMPTY_ENTRY): the supervisor's rebuild, one pass in slot order with no temporaries (at 10^7 slots the
    vectorized Python path needs seconds and gigabytes). Returns the entries used, or -1 if the
    table is full (it is sized for 7/4 of the slots, so only with a wrong capacity). */
 int64_t kv_index_fill(void *entries, uint64_t capacity, const void *slots, uint64_t nslots) {
@@ -375,7 +376,7 @@ int64_t kv_index_fill(void *entries, uint64_t capacity, const void *slots, uint6
             if (++probe == capacity) return -1;
             if (++p == capacity) p = 0;
         }
-        __atomic_store_n(&e[p], (uint64_t)(uint32_t)s[g].d[0] | (g << 32), __ATOMIC_RELAXED);
+        __atomic_store_n(&e[p], kv_entry(s[g].d[0], g), __ATOMIC_RELAXED);
         used++;
     }
     return used;

@@ -12,12 +12,12 @@ can wait; and a deep write queue in the device is read latency):
 4. submit all of it in one ``io_submit``;
 5. with nothing new to do: wait for a completion (100 us at most, so new
    reads are picked up soon) or, when nothing is outstanding, after a batch of
-   one or two I/Os poll (yielding the core) for ``IDLE_SPIN_S``, since a client
-   that just got its page often posts the next at once and a sleeping worker's
-   wake-up costs tens of microseconds (big batches do not: the polling would
-   take a core from whoever prepares the next one); then wait for the
-   supervisor's wake-up semaphore (50 ms at most, then check the parent is
-   alive).
+   at most ``POLL_READS`` I/Os poll (yielding the core) for ``IDLE_POLL_S``,
+   since a client that just got its page often posts the next at once and a
+   sleeping worker's wake-up costs tens of microseconds (big batches do not:
+   the polling would take a core from whoever prepares the next one); then
+   wait for the supervisor's wake-up semaphore (50 ms at most, then check the
+   parent is alive).
 
 Clients' direct reads (gets that bypass the supervisor) come on one ring per
 connection per device, in the connection's segment; the worker finds the
@@ -97,8 +97,7 @@ class WorkerParams:
     area_slots: tuple[int, ...] = ()
 
 
-IDLE_SPIN_S = 0.0005  # after a small batch the loop polls this long (yielding) before it sleeps
-IDLE_SPIN_BATCH = 2   # small: what a latency-bound client (one page per get) posts
+IDLE_POLL_S = 0.0005  # after a batch of at most P.POLL_READS I/Os the loop polls this long (yielding)
 DIRECT_TAG = 1 << 62  # tags of direct reads: never one of the supervisor's (it counts up from 1)
 
 
@@ -395,7 +394,7 @@ class Worker:
     def run(self) -> None:
         """Serve until SIGTERM or until the supervisor is gone."""
         last_check = busy = time.monotonic()
-        small = False  # whether the last batch taken was of IDLE_SPIN_BATCH I/Os or fewer
+        small = False  # whether the last batch taken was of P.POLL_READS I/Os or fewer
         row = self.row
         while not self.stop:
             progressed = False
@@ -404,7 +403,7 @@ class Worker:
                 progressed = True
             batch = self._take()
             if batch:
-                small = len(batch) <= IDLE_SPIN_BATCH
+                small = len(batch) <= P.POLL_READS
                 self._submit(batch)
                 progressed = True
             # health, judged by the supervisor: the age of the oldest I/O the device holds
@@ -421,7 +420,7 @@ class Worker:
                 continue
             if self.ctx.outstanding:
                 self._reap(1, 100e-6)
-            elif small and now - busy < IDLE_SPIN_S:
+            elif small and now - busy < IDLE_POLL_S:
                 os.sched_yield()  # a client that just got its page often asks for the next at once
             else:
                 wait_semaphore(self.wakeup, 0.05)

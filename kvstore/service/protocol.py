@@ -98,6 +98,8 @@ HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
 NDESC = 8                # request descriptors per connection (requests in flight, timed-out ones included)
 HIST_BUCKETS = 32        # as the stats block's histograms
 COUNTERS_WORDS = 5 + HIST_BUCKETS  # client-written counters, after the descriptors
+POLL_READS = 2  # a direct-read batch this small is latency-bound: the client polls for its answer,
+                # and the worker that served it polls a little before it sleeps (no wake-ups)
 C_LOOKUPS, C_LOOKUP_KEYS, C_GETS, C_GET_KEYS, C_GET_MISSES, C_HIST = range(6)
 
 #: client -> I/O worker: one direct read, 64 bytes

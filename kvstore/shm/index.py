@@ -105,6 +105,8 @@ class KeyIndex:
         self._seq_ptr = FFI.cast("uint64_t *", self.seq.ctypes.data)
         self.slots = slots
         self.capacity = len(entries)
+        self._ep = FFI.cast("void *", entries.ctypes.data)  # for the compiled insert and rebuild
+        self._sp = FFI.cast("void *", slots.ctypes.data)
         if len(slots) > MAX_SLOTS or self.capacity >= 1 << 32 or self.capacity < 1:
             raise ValueError(f"an index of {self.capacity} entries over {len(slots)} slots is out of range")
         if init:
@@ -178,8 +180,7 @@ class KeyIndex:
             return  # the rebuild indexed every VALID slot, these included
         d0 = np.ascontiguousarray(words[:, 0], dtype=np.uint64)
         g = np.ascontiguousarray(gids, dtype=np.int64)
-        fresh = LIB.kv_index_insert(FFI.cast("void *", self.e.ctypes.data), self.capacity,
-                                    FFI.cast("void *", self.slots.ctypes.data), len(self.slots),
+        fresh = LIB.kv_index_insert(self._ep, self.capacity, self._sp, len(self.slots),
                                     FFI.cast("uint64_t *", d0.ctypes.data), FFI.cast("int64_t *", g.ctypes.data), n)
         if fresh < 0:
             raise RuntimeError("key index full")
@@ -195,10 +196,9 @@ class KeyIndex:
         try:
             self._w[:] = EMPTY_ENTRY
             self.rebuilds += 1
-            # one compiled pass over the slot table (the vectorized insert needs seconds and
-            # gigabytes of temporaries at 10^7 slots)
-            used = LIB.kv_index_fill(FFI.cast("void *", self.e.ctypes.data), self.capacity,
-                                     FFI.cast("void *", self.slots.ctypes.data), len(self.slots))
+            # one compiled pass over the slot table itself: no array of every VALID slot's gid
+            # and digest (gigabytes at 10^7 slots)
+            used = LIB.kv_index_fill(self._ep, self.capacity, self._sp, len(self.slots))
             if used < 0:
                 raise RuntimeError("key index full")
             self.used = int(used)
