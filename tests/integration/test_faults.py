@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -12,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from kvstore import KVCacheClient
 from kvstore.quickstart import page_bytes
 from kvstore.storage.device import read_superblock
+from kvstore.storage.header import SlotHeader
+from kvstore.storage.superblock import FORMAT_VERSION
 from kvstore.testing import free_port_pair, make_store, wait_for
 from tests.integration.test_multiserver import read_all, stats
 
@@ -67,6 +72,42 @@ def test_bit_flips_and_zeroed_blocks_are_misses(home: Path, file_devices: Any, s
     # the corrupt locations were dropped: asking again is a plain miss, not another failed read
     assert verify(home, keys) == (50, 10, 0)
     assert stats(svc).validation_failures == 10
+
+
+def test_well_formed_headers_of_another_page_are_misses(home: Path, file_devices: Any, services: Any) -> None:
+    """A header that is intact (its checksum holds) but not the one the page table expects:
+    another generation, key, length, slot, store, device or format version, or a payload
+    checksum the payload does not have. Each is a miss, never the bytes."""
+    (dev,) = file_devices.make(1, (1 << 20) + 64 * (4096 + PS))
+    make_store(home, "f", [dev], PS)
+    svc = services(home, "f")
+    keys = keys_of("h", 9)
+    with KVCacheClient.connect("f", home=home) as c:
+        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 9
+    offs = slot_offsets(dev)
+    with open(dev, "r+b") as f:
+        headers = []
+        for off in offs:
+            f.seek(off)
+            h = SlotHeader.decode(f.read(4096))
+            if h is not None:
+                headers.append((off, h))
+        assert len(headers) == 9
+        changes = [dict(generation=headers[0][1].generation + 1), dict(key_digest=bytes(32)),
+                   dict(payload_length=PS - 4096), dict(slot_index=headers[3][1].slot_index ^ 1),
+                   dict(store_uuid=bytes(16)), dict(device_index=1), dict(payload_checksum=12345),
+                   dict(area_index=1)]
+        for (off, h), change in zip(headers, changes):
+            f.seek(off)
+            f.write(dataclasses.replace(h, **change).encode())
+        off, h = headers[8]  # another format version, the header checksum made to hold
+        raw = bytearray(dataclasses.replace(h).encode())
+        struct.pack_into("<I", raw, 8, FORMAT_VERSION + 1)
+        struct.pack_into("<Q", raw, 120, xxhash.xxh3_64_intdigest(bytes(raw[:120])))
+        f.seek(off)
+        f.write(raw)
+    assert verify(home, keys) == (0, 9, 0)
+    assert wait_for(lambda: stats(svc).validation_failures == 9)
 
 
 def test_reads_that_fail_are_reported_and_missed(home: Path, file_devices: Any, services: Any) -> None:

@@ -1,0 +1,459 @@
+/* The I/O worker's per-I/O path, compiled into kvstore.ioworkers._aio.
+
+   Why C: in Python the worker spent about as much CPU per 1 MiB page on reading ring
+   records, building iocbs, encoding and checking slot headers and answering as the
+   checksum itself; on a memory-backed device that CPU is taken from the kernel thread
+   that moves the data. One call here does a whole loop turn (reap, validate, answer,
+   take, submit); Python keeps what happens once per turn or less: connections coming
+   and going, wake-ups (posix semaphores), logging, health, shutdown.
+
+   The rules are the ones ioworkers/worker.py's docstring gives; the record layouts are
+   the numpy dtypes of ioworkers/protocol.py and service/protocol.py (tests compare the
+   offsets), the slot header the one of storage/header.py and docs/FORMAT.md. */
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#include <stdlib.h>
+
+#define KV_HEADER_BLOCK 4096
+#define KV_FIELDS_SIZE 120
+#define KV_OP_READ 0
+#define KV_F_CSUM 1
+#define KV_ST_OK 0
+#define KV_ST_IO_ERROR 1
+#define KV_ST_BAD_HEADER 2
+#define KV_ST_BAD_CHECKSUM 3
+#define KV_K_SUPERVISOR 0
+#define KV_K_DIRECT 1
+#define KV_A_CLIENT 1u
+#define KV_A_DIRECT 4u
+#define KV_A_READING 5u
+#define KV_NBAD 16
+
+struct kv_io_request {  /* IO_REQUEST, 104 bytes */
+    uint64_t tag; uint32_t op, buf; uint64_t offset, length, gen, d[4];
+    uint32_t area, flags; uint64_t slot, payload_len, csum;
+};
+struct kv_direct_request {  /* DIRECT_REQ, 64 bytes */
+    uint64_t seq; uint16_t buf, area; uint32_t payload_len; uint64_t slot, gen, d[4];
+};
+struct kv_completion {  /* IO_COMPLETION, 48 bytes */
+    uint64_t tag; int64_t result; int32_t status; uint32_t kind; uint64_t latency_ns, gen, where;
+};
+
+struct kv_ring { uint64_t *head; uint64_t *tail; uint8_t *recs; uint64_t mask; };
+
+struct kv_wconn {
+    int32_t live;          /* in the connection table: its ring is served */
+    int32_t wake;          /* on the wake list of this turn */
+    uint32_t gen, lease_start, lease_count;
+    struct kv_ring ring;   /* its direct reads for this device */
+    int64_t *pins; uint64_t *dseq; int32_t *wstat; uint64_t *wseq;
+    int64_t inflight;
+};
+
+struct kv_bad {  /* a read whose header was not the expected one, for the log */
+    uint32_t area, decoded, key_matches, _pad;
+    uint64_t slot, expected_gen, found_gen, expected_len, found_len, found_slot;
+};
+
+struct kv_pend {
+    struct kv_io_request r;
+    int64_t t0;
+    int32_t conn;  /* -1: the supervisor's request; else the connection slot */
+    uint32_t b;
+    uint64_t seq;
+};
+
+enum { KV_D_READS, KV_D_READ_BYTES, KV_D_READ_ERRORS, KV_D_WRITES, KV_D_WRITE_BYTES, KV_D_WRITE_ERRORS,
+       KV_D_OLDEST, KV_D_LOOP, KV_D_READS_INFLIGHT, KV_D_WRITES_INFLIGHT, KV_D_READS_QUEUED,
+       KV_D_WRITES_QUEUED, KV_D_N };
+
+struct kv_worker {
+    /* set by Python before kv_wk_init */
+    int fd, read_depth, max_writes, version;
+    struct kv_ring reads, writes, done;
+    uint8_t *arena; uint64_t bsize; uint32_t *states; uint32_t arena_count;
+    uint8_t uuid[16]; uint32_t dev; uint64_t page_size, slot_size;
+    const uint64_t *area_off; const uint64_t *area_slots; uint32_t n_areas;
+    uint64_t *row; int32_t didx[KV_D_N]; uint64_t *hread, *hwrite; int32_t hist_buckets;
+    struct kv_wconn *conns; int32_t nconn;
+    /* read and reset by Python after each call */
+    int32_t bell, nwake, nbad;
+    int32_t *wake_list;
+    struct kv_bad bad[KV_NBAD];
+    uint64_t reports_dropped;
+    /* state */
+    int64_t outstanding, reads_inflight, writes_inflight;
+    int32_t depth, nfree, ndeferred, rr;
+    uint64_t next_direct;
+    io_context_t ctx;
+    struct iocb *iocbs; struct iocb **ptrs; struct kv_pend *pend; int32_t *free_slots;
+    struct kv_completion *deferred;
+};
+
+static inline uint64_t kv_now_ns(clockid_t clk) {
+    struct timespec ts;
+    clock_gettime(clk, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t kv_ring_len(const struct kv_ring *r) {
+    return __atomic_load_n(r->tail, __ATOMIC_ACQUIRE) - __atomic_load_n(r->head, __ATOMIC_ACQUIRE);
+}
+
+/* Append one record; 0 if the ring is full. Only this process produces on ``r``. */
+static int kv_ring_put(struct kv_ring *r, const void *rec, size_t size) {
+    uint64_t tail = *r->tail;
+    if (tail - __atomic_load_n(r->head, __ATOMIC_ACQUIRE) > r->mask) return 0;
+    memcpy(r->recs + (tail & r->mask) * size, rec, size);
+    __atomic_store_n(r->tail, tail + 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Copy out the oldest record; 0 if the ring is empty. Only this process consumes ``r``. */
+static int kv_ring_get(struct kv_ring *r, void *rec, size_t size) {
+    uint64_t head = *r->head;
+    if (__atomic_load_n(r->tail, __ATOMIC_ACQUIRE) == head) return 0;
+    memcpy(rec, r->recs + (head & r->mask) * size, size);
+    __atomic_store_n(r->head, head + 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+static inline uint32_t kv_tagged(uint32_t state, uint32_t gen) { return state | (gen & 0xFFFFFFu) << 8; }
+static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+int kv_wk_init(struct kv_worker *w) {
+    w->depth = w->read_depth + w->max_writes;
+    w->iocbs = calloc((size_t)w->depth, sizeof(struct iocb));
+    w->ptrs = calloc((size_t)w->depth, sizeof(struct iocb *));
+    w->pend = calloc((size_t)w->depth, sizeof(struct kv_pend));
+    w->free_slots = calloc((size_t)w->depth, sizeof(int32_t));
+    w->deferred = calloc((size_t)w->depth, sizeof(struct kv_completion));
+    if (!w->iocbs || !w->ptrs || !w->pend || !w->free_slots || !w->deferred) return -ENOMEM;
+    for (int i = 0; i < w->depth; i++) w->free_slots[i] = w->depth - 1 - i;
+    w->nfree = w->depth;
+    w->next_direct = 1ULL << 62;  /* never one of the supervisor's tags (it counts up from 1) */
+    w->ctx = 0;
+    return io_setup((unsigned)w->depth, &w->ctx);
+}
+
+void kv_wk_free(struct kv_worker *w) {
+    if (w->ctx) io_destroy(w->ctx);
+    w->ctx = 0;
+    free(w->iocbs); free(w->ptrs); free(w->pend); free(w->free_slots); free(w->deferred);
+    w->iocbs = NULL; w->ptrs = NULL; w->pend = NULL; w->free_slots = NULL; w->deferred = NULL;
+}
+
+static void kv_observe(struct kv_worker *w, uint64_t *hist, uint64_t lat_ns) {
+    uint64_t us = lat_ns / 1000;
+    int b = us ? 64 - __builtin_clzll(us) : 0;
+    if (b > w->hist_buckets - 1) b = w->hist_buckets - 1;
+    hist[b]++;
+}
+
+static void kv_log_bad(struct kv_worker *w, const struct kv_pend *p, const uint8_t *h, int decoded) {
+    if (w->nbad >= KV_NBAD) return;
+    struct kv_bad *b = &w->bad[w->nbad++];
+    memset(b, 0, sizeof *b);
+    b->area = p->r.area; b->slot = p->r.slot; b->expected_gen = p->r.gen; b->expected_len = p->r.payload_len;
+    b->decoded = (uint32_t)decoded;
+    if (decoded) {
+        b->found_gen = load64(h + 48); b->found_len = load64(h + 88); b->found_slot = load64(h + 40);
+        b->key_matches = memcmp(h + 56, p->r.d, 32) == 0;
+    }
+}
+
+/* Header and payload of a read buffer against what was expected (storage/header.py). */
+static int kv_validate(struct kv_worker *w, const struct kv_pend *p) {
+    const uint8_t *h = w->arena + (uint64_t)p->r.buf * w->bsize;
+    uint64_t n = p->r.payload_len;
+    if (memcmp(h, "KVSTSLOT", 8) != 0 || load64(h + KV_FIELDS_SIZE) != XXH3_64bits(h, KV_FIELDS_SIZE)
+            || load32(h + 8) != (uint32_t)w->version) {
+        kv_log_bad(w, p, h, 0);
+        return KV_ST_BAD_HEADER;
+    }
+    if (memcmp(h + 16, w->uuid, 16) != 0 || load32(h + 32) != w->dev || load32(h + 36) != p->r.area
+            || load64(h + 40) != p->r.slot || load64(h + 48) != p->r.gen || memcmp(h + 56, p->r.d, 32) != 0
+            || load64(h + 88) != n) {
+        kv_log_bad(w, p, h, 1);
+        return KV_ST_BAD_HEADER;
+    }
+    if (XXH3_64bits(h + KV_HEADER_BLOCK, n) != load64(h + 96)) return KV_ST_BAD_CHECKSUM;
+    return KV_ST_OK;
+}
+
+/* The header block of a write: header fields, header checksum, the rest of the block zero. */
+static void kv_prepare_write(struct kv_worker *w, const struct kv_io_request *r) {
+    uint8_t *h = w->arena + (uint64_t)r->buf * w->bsize;
+    uint64_t n = r->payload_len;
+    /* a checksum the client computed while copying the page in is trusted only as far as any
+       checksum is: one that does not match the payload makes the page a miss when read */
+    uint64_t csum = (r->flags & KV_F_CSUM) ? r->csum : XXH3_64bits(h + KV_HEADER_BLOCK, n);
+    memset(h, 0, KV_HEADER_BLOCK);
+    memcpy(h, "KVSTSLOT", 8);
+    store32(h + 8, (uint32_t)w->version);
+    memcpy(h + 16, w->uuid, 16);
+    store32(h + 32, w->dev);
+    store32(h + 36, r->area);
+    store64(h + 40, r->slot);
+    store64(h + 48, r->gen);
+    for (int i = 0; i < 4; i++) store64(h + 56 + 8 * i, r->d[i]);
+    store64(h + 88, n);
+    store64(h + 96, csum);
+    store64(h + 104, kv_now_ns(CLOCK_REALTIME));
+    store64(h + KV_FIELDS_SIZE, XXH3_64bits(h, KV_FIELDS_SIZE));
+}
+
+static void kv_flush_deferred(struct kv_worker *w) {
+    int32_t i = 0;
+    while (i < w->ndeferred && kv_ring_put(&w->done, &w->deferred[i], sizeof(struct kv_completion))) i++;
+    if (i) {
+        memmove(w->deferred, w->deferred + i, (size_t)(w->ndeferred - i) * sizeof(struct kv_completion));
+        w->ndeferred -= i;
+        w->bell = 1;
+    }
+    if (w->ndeferred) w->bell = 1;  /* the supervisor must drain ``done``: keep ringing */
+}
+
+/* Hand a direct read's result to its client, then report it to the supervisor. */
+static void kv_answer_direct(struct kv_worker *w, struct kv_pend *p, int status, int64_t res, uint64_t lat) {
+    struct kv_wconn *c = &w->conns[p->conn];
+    uint32_t b = p->b;
+    c->pins[b] = -1;  /* the page is in the buffer: retiring its slot may go on */
+    c->wstat[b] = status;
+    __atomic_store_n(&c->wseq[b], p->seq, __ATOMIC_RELEASE);
+    __atomic_store_n(&w->states[p->r.buf], KV_A_CLIENT, __ATOMIC_RELEASE);
+    c->inflight--;
+    if (!c->inflight && !kv_ring_len(&c->ring) && !c->wake) {
+        /* the client waits for all the reads it posted: wake it when this worker holds none
+           of them any more (once per call), not for every page */
+        c->wake = 1;
+        w->wake_list[w->nwake++] = p->conn;
+    }
+    struct kv_completion rec = {0, res, status, KV_K_DIRECT, lat, p->r.gen, (uint64_t)p->r.area << 40 | p->r.slot};
+    if (!kv_ring_put(&w->done, &rec, sizeof rec)) {
+        w->reports_dropped++;  /* the supervisor is behind: its statistics miss this read */
+    } else if (kv_ring_len(&w->done) > (w->done.mask + 1) / 4) {
+        /* not urgent (the client has its page): the supervisor takes reports at its next tick
+           unless they pile up; waking it for each would take a core from clients and workers */
+        w->bell = 1;
+    }
+}
+
+static void kv_complete(struct kv_worker *w, int32_t k, int64_t res, uint64_t now) {
+    struct kv_pend *p = &w->pend[k];
+    uint64_t lat = now - (uint64_t)p->t0;
+    int is_read = p->r.op == KV_OP_READ;
+    int status = KV_ST_OK;
+    uint64_t *row = w->row;
+    if (is_read) w->reads_inflight--; else w->writes_inflight--;
+    if (res != (int64_t)p->r.length) {
+        status = KV_ST_IO_ERROR;
+        row[w->didx[is_read ? KV_D_READ_ERRORS : KV_D_WRITE_ERRORS]]++;
+    } else if (is_read) {
+        status = kv_validate(w, p);
+        row[w->didx[KV_D_READS]]++;
+        row[w->didx[KV_D_READ_BYTES]] += (uint64_t)res;
+    } else {
+        row[w->didx[KV_D_WRITES]]++;
+        row[w->didx[KV_D_WRITE_BYTES]] += (uint64_t)res;
+    }
+    kv_observe(w, is_read ? w->hread : w->hwrite, lat);
+    if (p->conn >= 0) {
+        kv_answer_direct(w, p, status, res, lat);
+    } else {
+        struct kv_completion rec = {p->r.tag, res, status, KV_K_SUPERVISOR, lat, 0, 0};
+        if (w->ndeferred || !kv_ring_put(&w->done, &rec, sizeof rec))
+            w->deferred[w->ndeferred++] = rec;  /* at most one per slot: ``depth`` suffices */
+        w->bell = 1;
+    }
+    w->free_slots[w->nfree++] = k;
+}
+
+int kv_wk_reap(struct kv_worker *w, int min_nr, int64_t timeout_ns) {
+    struct io_event ev[256];
+    if (!w->outstanding) return 0;
+    if (min_nr > w->outstanding) min_nr = (int)w->outstanding;
+    struct timespec ts = {timeout_ns / 1000000000LL, timeout_ns % 1000000000LL};
+    int r;
+    do { r = io_getevents(w->ctx, min_nr, 256, ev, &ts); } while (r == -EINTR);
+    if (r <= 0) return r;
+    uint64_t now = kv_now_ns(CLOCK_MONOTONIC);
+    for (int i = 0; i < r; i++) {
+        w->outstanding--;
+        kv_complete(w, (int32_t)(uintptr_t)ev[i].data, (int64_t)(long)ev[i].res, now);
+    }
+    kv_flush_deferred(w);
+    return r;
+}
+
+static int32_t kv_slot(struct kv_worker *w, uint64_t now) {
+    int32_t k = w->free_slots[--w->nfree];
+    w->pend[k].t0 = (int64_t)now;
+    return k;
+}
+
+static void kv_prep(struct kv_worker *w, int32_t k, int write, uint64_t offset, int32_t *batch, int *n) {
+    struct kv_pend *p = &w->pend[k];
+    char *buf = (char *)w->arena + (uint64_t)p->r.buf * w->bsize;
+    if (write) io_prep_pwrite(&w->iocbs[k], w->fd, buf, (size_t)p->r.length, (long long)offset);
+    else io_prep_pread(&w->iocbs[k], w->fd, buf, (size_t)p->r.length, (long long)offset);
+    w->iocbs[k].data = (void *)(uintptr_t)k;
+    batch[(*n)++] = k;
+}
+
+/* A supervisor request the worker cannot even submit (it never sends one: defence only). */
+static int kv_request_ok(const struct kv_worker *w, const struct kv_io_request *r) {
+    return r->buf < w->arena_count && r->length >= KV_HEADER_BLOCK && r->length <= w->bsize
+        && r->payload_len <= r->length - KV_HEADER_BLOCK;
+}
+
+static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *batch, int *n) {
+    int taken = 0, busy = 0;
+    if (w->nconn <= 0) return 0;
+    for (int32_t j = 0; j < w->nconn; j++)
+        if (w->conns[j].live && kv_ring_len(&w->conns[j].ring)) busy++;
+    if (!busy) return 0;
+    /* fair: each turn starts at the next connection, and takes at most an equal share of the
+       room from each while others wait (one client's deep batch must not hold the device) */
+    w->rr = (w->rr + 1) % w->nconn;
+    int share = room / busy > 1 ? room / busy : 1;
+    for (int32_t j = 0; j < w->nconn && taken < room; j++) {
+        int32_t ci = (w->rr + j) % w->nconn;
+        struct kv_wconn *c = &w->conns[ci];
+        if (!c->live) continue;
+        int mine = 0;
+        struct kv_direct_request d;
+        while (mine < share && taken < room && kv_ring_get(&c->ring, &d, sizeof d)) {
+            mine++;
+            uint64_t len = d.payload_len;
+            if (!(d.buf < c->lease_count && d.area < w->n_areas && d.slot < w->area_slots[d.area]
+                  && len > 0 && len <= w->page_size))
+                continue;  /* a record no honest client writes: nothing is read for it */
+            uint32_t i = c->lease_start + d.buf;
+            uint32_t expected = kv_tagged(KV_A_DIRECT, c->gen);
+            if (i >= w->arena_count
+                    || !__atomic_compare_exchange_n(&w->states[i], &expected, kv_tagged(KV_A_READING, c->gen), 0,
+                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                continue;  /* taken back by the client (timed out), or not this connection's to give */
+            if (__atomic_load_n(&c->dseq[d.buf], __ATOMIC_ACQUIRE) != d.seq) {
+                /* a stale record (its read was taken back) for a buffer posted again since:
+                   leave the buffer to the record of the read it is posted for now */
+                __atomic_store_n(&w->states[i], kv_tagged(KV_A_DIRECT, c->gen), __ATOMIC_RELEASE);
+                continue;
+            }
+            int32_t k = kv_slot(w, now);
+            struct kv_pend *p = &w->pend[k];
+            memset(&p->r, 0, sizeof p->r);
+            p->r.tag = w->next_direct++;
+            p->r.op = KV_OP_READ; p->r.buf = i; p->r.area = d.area; p->r.slot = d.slot; p->r.gen = d.gen;
+            p->r.payload_len = len;
+            p->r.length = KV_HEADER_BLOCK + (len + 4095) / 4096 * 4096;
+            memcpy(p->r.d, d.d, 32);
+            p->conn = ci; p->b = d.buf; p->seq = d.seq;
+            c->inflight++;
+            w->reads_inflight++;
+            taken++;
+            kv_prep(w, k, 0, w->area_off[d.area] + d.slot * w->slot_size, batch, n);
+        }
+    }
+    return taken;
+}
+
+static int kv_direct_waiting(const struct kv_worker *w) {
+    for (int32_t j = 0; j < w->nconn; j++)
+        if (w->conns[j].live && kv_ring_len(&w->conns[j].ring)) return 1;
+    return 0;
+}
+
+/* Submit the prepared slots; a request the kernel refuses fails alone (-errno), the rest go on. */
+static void kv_submit_batch(struct kv_worker *w, int32_t *batch, int n) {
+    for (int i = 0; i < n; i++) w->ptrs[i] = &w->iocbs[batch[i]];
+    int done = 0;
+    while (done < n) {
+        int r = io_submit(w->ctx, n - done, w->ptrs + done);
+        if (r > 0) { done += r; w->outstanding += r; continue; }
+        if (r == -EINTR) continue;
+        if ((r == -EAGAIN || r == 0) && w->outstanding) { kv_wk_reap(w, 1, 1000000); continue; }
+        /* the device refused the request: fail it and go on with the rest */
+        kv_complete(w, batch[done], r < 0 ? r : -EAGAIN, kv_now_ns(CLOCK_MONOTONIC));
+        done++;
+    }
+}
+
+/* One loop turn: reap what finished, take reads (the supervisor's, then the clients' direct
+   ones), take writes only when no read waits, submit. Returns how many I/Os it took. */
+int kv_wk_turn(struct kv_worker *w) {
+    int32_t batch[4096];
+    int n = 0;
+    uint64_t now;
+    if (w->ndeferred) kv_flush_deferred(w);
+    if (w->outstanding) kv_wk_reap(w, 0, 0);
+    now = kv_now_ns(CLOCK_MONOTONIC);
+    /* while the supervisor does not drain its completions, take none of its requests */
+    int sup_ok = w->ndeferred == 0;
+    int room = w->read_depth - (int)w->reads_inflight;
+    struct kv_io_request r;
+    while (sup_ok && room > 0 && kv_ring_get(&w->reads, &r, sizeof r)) {
+        int32_t k = kv_slot(w, now);
+        w->pend[k].r = r; w->pend[k].conn = -1;
+        w->reads_inflight++;
+        room--;
+        if (!kv_request_ok(w, &r)) { kv_complete(w, k, -EINVAL, now); continue; }
+        kv_prep(w, k, 0, r.offset, batch, &n);
+    }
+    if (room > 0) kv_take_direct(w, room, now, batch, &n);
+    room = w->max_writes - (int)w->writes_inflight;
+    if (sup_ok && room > 0 && !kv_ring_len(&w->reads) && !kv_direct_waiting(w)) {
+        while (room > 0 && kv_ring_get(&w->writes, &r, sizeof r)) {
+            int32_t k = kv_slot(w, now);
+            w->pend[k].r = r; w->pend[k].conn = -1;
+            w->writes_inflight++;
+            room--;
+            if (!kv_request_ok(w, &r)) { kv_complete(w, k, -EINVAL, now); continue; }
+            kv_prepare_write(w, &r);
+            kv_prep(w, k, 1, r.offset, batch, &n);
+        }
+    }
+    if (n) kv_submit_batch(w, batch, n);
+    /* health, judged by the supervisor: the age of the oldest I/O the device holds, and that
+       this loop still turns */
+    int64_t oldest = 0;
+    if (w->nfree < w->depth) {
+        char used[4096];
+        memset(used, 1, (size_t)w->depth);
+        for (int32_t i = 0; i < w->nfree; i++) used[w->free_slots[i]] = 0;
+        for (int32_t i = 0; i < w->depth; i++)
+            if (used[i] && (!oldest || w->pend[i].t0 < oldest)) oldest = w->pend[i].t0;
+    }
+    uint64_t *row = w->row;
+    row[w->didx[KV_D_OLDEST]] = (uint64_t)oldest;
+    row[w->didx[KV_D_LOOP]] = kv_now_ns(CLOCK_MONOTONIC);
+    row[w->didx[KV_D_READS_INFLIGHT]] = (uint64_t)w->reads_inflight;
+    row[w->didx[KV_D_WRITES_INFLIGHT]] = (uint64_t)w->writes_inflight;
+    row[w->didx[KV_D_READS_QUEUED]] = kv_ring_len(&w->reads);
+    row[w->didx[KV_D_WRITES_QUEUED]] = kv_ring_len(&w->writes);
+    return n;
+}
+
+/* Offsets of the record fields, for the test that compares them with the numpy dtypes. */
+void kv_wk_layout(int64_t *out) {
+    int i = 0;
+    out[i++] = sizeof(struct kv_io_request);
+    out[i++] = offsetof(struct kv_io_request, op); out[i++] = offsetof(struct kv_io_request, buf);
+    out[i++] = offsetof(struct kv_io_request, offset); out[i++] = offsetof(struct kv_io_request, length);
+    out[i++] = offsetof(struct kv_io_request, gen); out[i++] = offsetof(struct kv_io_request, d);
+    out[i++] = offsetof(struct kv_io_request, area); out[i++] = offsetof(struct kv_io_request, flags);
+    out[i++] = offsetof(struct kv_io_request, slot); out[i++] = offsetof(struct kv_io_request, payload_len);
+    out[i++] = offsetof(struct kv_io_request, csum);
+    out[i++] = sizeof(struct kv_direct_request);
+    out[i++] = offsetof(struct kv_direct_request, buf); out[i++] = offsetof(struct kv_direct_request, area);
+    out[i++] = offsetof(struct kv_direct_request, payload_len); out[i++] = offsetof(struct kv_direct_request, slot);
+    out[i++] = offsetof(struct kv_direct_request, gen); out[i++] = offsetof(struct kv_direct_request, d);
+    out[i++] = sizeof(struct kv_completion);
+    out[i++] = offsetof(struct kv_completion, result); out[i++] = offsetof(struct kv_completion, status);
+    out[i++] = offsetof(struct kv_completion, kind); out[i++] = offsetof(struct kv_completion, latency_ns);
+    out[i++] = offsetof(struct kv_completion, gen); out[i++] = offsetof(struct kv_completion, where);
+}
