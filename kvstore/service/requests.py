@@ -40,6 +40,8 @@ from .clients import Clients
 from .connections import Conn, Request, answer, give_back, take
 from .workers import WorkerSlot
 
+FLUSH_EVERY = 8  # I/Os queued for one worker before they are handed over (also at the end of each request)
+
 
 class Store(Protocol):
     """What the request engine reads and changes of the service (the supervisor provides it)."""
@@ -94,6 +96,10 @@ class Requests:
         self.writing: dict[bytes, int] = {}  # salted digest -> slot being written (dedupe)
         self.next_tag = 1
         self.rr = 0  # round-robin over devices for writes
+        self._out: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # (device, op) -> records not yet handed over
+        self._ins_words: list[np.ndarray[Any, Any]] = []  # written pages to index at ``_settle``
+        self._ins_gids: list[int] = []
+        self._finish: list[Request] = []  # puts to answer at ``_settle``, once their pages are indexed
 
     def _own_device(self, gid: int) -> int | None:
         d, a, _s = self.s.smap.locate(gid)
@@ -180,7 +186,8 @@ class Requests:
 
     def _dispatch(self, req: Request, i: int, gid: int, buf: int, op: int, words: np.ndarray[Any, Any],
                   length: int, csum: int | None = None) -> bool:
-        """Queue one I/O on its device's worker; False when that worker is being replaced."""
+        """Queue one I/O for its device's worker (``_flush`` hands it over); False when that
+        worker is being replaced."""
         d, a, s = self.s.smap.locate(gid)
         w = self.s.workers[d]
         if w.proc is None:
@@ -188,17 +195,30 @@ class Requests:
         sb = self.s.sbs[d]
         tag = self.next_tag
         self.next_tag += 1
-        e = self.s.slots[gid]
+        gen = int(self.s.slots["gen"][gid])
         xfer = HEADER_BLOCK + (length + 4095) // 4096 * 4096
-        rec = (tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, int(e["gen"]),
-               int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0 if csum is None else F_CSUM, s,
-               length, csum or 0)
-        (w.rings.reads if op == OP_READ else w.rings.writes).put_nowait(np.array(rec, dtype=IO_REQUEST))
-        self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, int(e["gen"]), time.monotonic())
+        out = self._out.setdefault((d, op), [])
+        out.append((tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, gen,
+                    int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0 if csum is None else F_CSUM, s,
+                    length, csum or 0))
+        self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, gen, time.monotonic())
         req.outstanding += 1
         req.conn.ops += 1
-        w.wake.release()
+        if len(out) >= FLUSH_EVERY:
+            self._flush()
         return True
+
+    def _flush(self) -> None:
+        """Hand the queued I/Os to their workers: one ring write and one wake-up per worker
+        for up to ``FLUSH_EVERY`` of them (per I/O, each wake-up is a syscall and often a
+        context switch). The rings never overflow: each I/O holds one of at most
+        ``REQUEST_RING`` arena buffers (checked at start-up)."""
+        for (d, op), recs in self._out.items():
+            if recs:
+                w = self.s.workers[d]
+                (w.rings.reads if op == OP_READ else w.rings.writes).put_many(np.array(recs, dtype=IO_REQUEST))
+                recs.clear()
+                w.wake.release()
 
     def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
         gids = self.s.index.lookup(words, self.s.local)
@@ -213,6 +233,7 @@ class Requests:
                                   int(self.s.slots["length"][gid])):
                 self.s.alloc.unpin(gid)
                 self.s.stats.add("misses")
+        self._flush()
         self._maybe_finish(req)
 
     def _put(self, req: Request, words: np.ndarray[Any, Any]) -> None:
@@ -260,6 +281,7 @@ class Requests:
                 res[i] = P.R_DROPPED
                 self.s.stats.add("put_dropped")
                 give_back(req.conn, buf, self.s.arena, A.FREE)
+        self._flush()
         self.s.stats.set("evictions", self.s.alloc.evictions)
         if not wait:
             self._respond(req)
@@ -314,7 +336,8 @@ class Requests:
             self.writing.pop(op.words.tobytes(), None)
             if status == ST_OK:
                 self.s.alloc.commit(op.gid, op.words, op.length)
-                self.s.index.insert(op.words, op.gid)
+                self._ins_words.append(op.words)  # indexed in ``_settle``, before any answer
+                self._ins_gids.append(op.gid)
                 self.s._note(op.gid)
                 self.s._emit_stored([op.gid])
                 res[op.index] = P.R_STORED
@@ -329,7 +352,21 @@ class Requests:
                 req.conn.inuse.discard(op.buf)
             else:
                 give_back(req.conn, op.buf, self.s.arena, A.FREE)
+            self._finish.append(req)
+            return
         self._maybe_finish(req)
+
+    def _settle(self) -> None:
+        """Index the pages whose writes completed in this batch (one compiled call), then
+        answer the puts they finished: an answered put's pages are found."""
+        if self._ins_gids:
+            self.s.index.insert_many(np.array(self._ins_words, dtype=np.uint64).reshape(-1, 4),
+                                     np.array(self._ins_gids, dtype=np.int64))
+            self._ins_words.clear()
+            self._ins_gids.clear()
+        for req in self._finish:
+            self._maybe_finish(req)
+        self._finish.clear()
 
     def _direct_done(self, d: int, c: Any) -> None:
         """A worker's report of a client's direct read (the client already has the page): count
@@ -381,6 +418,7 @@ class Requests:
                     continue
                 n += 1
                 self._complete(op, int(c["status"]))
+        self._settle()
         return n
 
     # ---- workers -------------------------------------------------------------------------------
@@ -395,6 +433,7 @@ class Requests:
                 op.req.quarantined.add(op.buf)
                 self.s.arena.set_state(op.buf, A.QUARANTINE)
             self._complete(op, ST_WORKER_LOST)
+        self._settle()
         return held
 
 

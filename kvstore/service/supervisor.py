@@ -402,7 +402,8 @@ class Supervisor:
 
     def _on_retire(self, gid: int) -> None:
         self._note(gid)
-        self._emit_removed(self._digests([gid]))
+        if self.events is not None:  # the digest costs more than the rest of a retirement
+            self._emit_removed(self._digests([gid]))
 
     def _on_hint(self, gids: Any) -> None:
         self.alloc.touch(gids)  # peers read these: give them CLOCK's second chance
