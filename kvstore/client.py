@@ -37,7 +37,7 @@ from .errors import (ClosedError, KVStoreError, NotAllowed, QuotaExceeded, Servi
                      ViewsInUse, WouldBlock)
 from .digests import check_keys, key_digests
 from .service import protocol as P
-from .ioworkers.aio import LIB
+from .ioworkers.aio import FFI, LIB
 from .ioworkers.protocol import ST_OK
 from .shm.control import ControlLayout
 from .shm.index import IndexReader
@@ -64,18 +64,10 @@ class PutResult:
     """Pages not written: no slot could be freed (all pinned or being written) or the write failed."""
 
 
-COPY_CHUNK = 256 << 10  # copied and checksummed a chunk at a time: the checksum reads what is still in cache
-
-
 def _copy_summed(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` and return its xxh3_64, computed while copying (it costs
-    next to nothing over the copy; computed afterwards, it reads the page from memory again)."""
-    h = xxhash.xxh3_64()
-    for o in range(0, len(src), COPY_CHUNK):
-        part = dst[o:o + COPY_CHUNK]
-        part[:] = src[o:o + COPY_CHUNK]
-        h.update(part)
-    return int(h.intdigest())
+    """Copy ``src`` into ``dst`` and return its xxh3_64, computed on the way (ioworkers/_copy.c:
+    computed afterwards, it reads the page from memory again)."""
+    return int(LIB.kv_copy_sum(FFI.from_buffer("uint8_t[]", dst), FFI.from_buffer("uint8_t[]", src), len(src)))
 
 
 def _put_result(results: list[int]) -> PutResult:
@@ -475,6 +467,10 @@ class KVCacheClient:
 
         Returns ``(value, results)``. On timeout the descriptor and ``bufs`` stay the
         service's (it is told to cancel) and come back once it answers."""
+        return self._await(d, self._post(d, op, count, flags), count, deadline, bufs)
+
+    def _post(self, d: P.Descriptor, op: int, count: int, flags: int) -> int:
+        """Hand the request in ``d`` to the service; returns its seq (for ``_await``)."""
         seq = self._seq
         self._seq += 1
         h = d.head
@@ -490,6 +486,12 @@ class KVCacheClient:
             d.set_state(P.D_FREE)
             raise Timeout("the service did not take the request in time") from None
         self._doorbell.release()
+        return seq
+
+    def _await(self, d: P.Descriptor, seq: int, count: int, deadline: float,
+               bufs: Sequence[int] = ()) -> tuple[int, np.ndarray[Any, Any]]:
+        """Wait for the answer to the request ``seq`` posted in ``d`` (see ``_call``)."""
+        h = d.head
         while True:
             if d.state == P.D_ANSWERED and int(h["answered"][0]) == seq:
                 st = int(h["status"][0])
@@ -764,17 +766,33 @@ class KVCacheClient:
         deadline = self._deadline(timeout)
         # Sub-batches of a quarter lease: while the service writes one, the next is being
         # copied in. A whole-lease batch would wait for every write of the previous one.
+        # One sub-batch is posted ahead: the next is copied in while the service takes it
+        # (waiting for each answer before copying on left the client idle that long).
         step = max(1, self.max_batch // 4)
         ids, _ = key_digests(keys)
+        posted: tuple[P.Descriptor, int, list[int]] | None = None
         with self._lock:
             self._check_open()
-            for start in range(0, len(keys), step):
-                n = min(step, len(keys) - start)
-                d = self._acquire(deadline)
-                self._keys(d, ids, start, n)
-                bufs = self._alloc(n, deadline)
-                csums = [_copy_summed(self._arena.payload(b), views[start + j]) for j, b in enumerate(bufs)]
-                results += self._post_put(d, bufs, wait, deadline, csums)
+            try:
+                for start in range(0, len(keys), step):
+                    n = min(step, len(keys) - start)
+                    d = self._acquire(deadline)
+                    self._keys(d, ids, start, n)
+                    bufs = self._alloc(n, deadline)
+                    csums = [_copy_summed(self._arena.payload(b), views[start + j]) for j, b in enumerate(bufs)]
+                    seq = self._post_put(d, bufs, wait, csums)
+                    prev, posted = posted, (d, seq, bufs)
+                    if prev is not None:
+                        results += self._put_answer(*prev, deadline)
+                if posted is not None:
+                    p, posted = posted, None
+                    results += self._put_answer(*p, deadline)
+            finally:
+                if posted is not None:  # failing with a sub-batch posted: it is the service's until answered
+                    try:
+                        self._put_answer(*posted, deadline)
+                    except Exception:
+                        pass  # timed out too: its descriptor and buffers come back when answered
         return _put_result(results)
 
     def reserve(self, n: int, *, timeout: float | None = None) -> PageReservation:
@@ -811,19 +829,22 @@ class KVCacheClient:
             # filled in place, never copied here: one pass to checksum each page, so that the
             # device worker does not make it (it serves every client of its device)
             csums = [xxhash.xxh3_64_intdigest(self._arena.payload(b)) for b in bufs]
-            return _put_result(self._post_put(d, bufs, wait, deadline, csums))
+            return _put_result(self._put_answer(d, self._post_put(d, bufs, wait, csums), bufs, deadline))
 
-    def _post_put(self, d: P.Descriptor, bufs: list[int], wait: bool, deadline: float,
-                  csums: list[int]) -> list[int]:
+    def _post_put(self, d: P.Descriptor, bufs: list[int], wait: bool, csums: list[int]) -> int:
         """Hand the filled ``bufs`` (payload checksums ``csums``) to the service as the put in
-        ``d`` (its keys written); returns the per-page results. Caller holds the lock."""
+        ``d`` (its keys written); returns its seq. Caller holds the lock."""
         n = len(bufs)
         for b in bufs:
             self._arena.set_state(b, A.SERVICE)
         d.bufs[:n] = bufs
         d.lengths[:n] = self.page_size
         d.csums[:n] = csums
-        _, res = self._call(d, P.OP_PUT, n, P.FLAG_CSUM | (P.FLAG_WAIT if wait else 0), deadline, bufs)
+        return self._post(d, P.OP_PUT, n, P.FLAG_CSUM | (P.FLAG_WAIT if wait else 0))
+
+    def _put_answer(self, d: P.Descriptor, seq: int, bufs: list[int], deadline: float) -> list[int]:
+        """The per-page results of the put ``seq`` posted in ``d``."""
+        _, res = self._await(d, seq, len(bufs), deadline, bufs)
         return [int(r) for r in res.tolist()]
 
     def pin(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:

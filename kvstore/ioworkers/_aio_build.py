@@ -85,6 +85,7 @@ void kv_wk_free(struct kv_worker *w);
 int kv_wk_turn(struct kv_worker *w);
 int kv_wk_reap(struct kv_worker *w, int min_nr, int64_t timeout_ns);
 void kv_wk_layout(int64_t *out);
+uint64_t kv_copy_sum(uint8_t *dst, const uint8_t *src, size_t n);
 """
 
 SOURCE = r"""
@@ -164,6 +165,8 @@ void kv_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 SOURCE += Path(__file__).with_name("_keys.c").read_text()
 # the I/O worker's per-I/O path (uses _keys.c's load64/store64)
 SOURCE += Path(__file__).with_name("_worker.c").read_text()
+# a client's page copied into its buffer, checksummed on the way
+SOURCE += Path(__file__).with_name("_copy.c").read_text()
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
