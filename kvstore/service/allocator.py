@@ -273,7 +273,7 @@ class Allocator:
     def commit(self, gid: int, words: np.ndarray[Any, Any], length: int) -> None:
         """The write of ``gid`` completed: record the key and mark it VALID (caller indexes it)."""
         s = self.slots[gid]
-        s["d0"], s["d1"], s["d2"], s["d3"] = (int(x) for x in words)
+        s["d0"], s["d1"], s["d2"], s["d3"] = words.tolist()
         s["length"] = length
         s["state"] = VALID
 

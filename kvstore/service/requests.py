@@ -245,6 +245,7 @@ class Requests:
         self.s.stats.add("put_pages", n)
         seen: set[bytes] = set()
         ndev = len(self.s.workers)
+        quota = self.s.cfg.quota_for(req.conn.tenant)
         for i in range(n):
             key = words[i].tobytes()
             buf = req.bufs[i]
@@ -257,7 +258,6 @@ class Requests:
             seen.add(key)
             gid = -1
             dev = -1
-            quota = self.s.cfg.quota_for(req.conn.tenant)
             for k in range(ndev):
                 d = (self.rr + k) % ndev
                 if self.s.workers[d].proc is None:

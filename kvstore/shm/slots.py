@@ -16,6 +16,8 @@ peers' CRDT deltas: "keep the higher generation"); other processes only read.
 
 from __future__ import annotations
 
+import bisect
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +71,7 @@ class SlotMap:
         # lookup arrays for gid -> (device, area, slot)
         flat_bases = np.array([b for row in bases for b in row], dtype=np.int64)
         self._flat_bases = flat_bases
+        self._base_list = flat_bases.tolist()
 
     def gid(self, device: int, area: int, slot: int) -> int:
         """Global slot id; raises ``IndexError`` for an out-of-range triple."""
@@ -78,9 +81,10 @@ class SlotMap:
         return self.bases[device][area] + slot
 
     def locate(self, gid: int) -> tuple[int, int, int]:
-        """(device, area, slot) of a global slot id."""
-        d, a, s = self.locate_many(np.array([gid], dtype=np.int64))
-        return int(d[0]), int(a[0]), int(s[0])
+        """(device, area, slot) of a global slot id (as ``locate_many``, without numpy: it is
+        called per I/O)."""
+        k = bisect.bisect_right(self._base_list, gid) - 1
+        return k // self.n_areas, k % self.n_areas, gid - self._base_list[k]
 
     def locate_many(self, gids: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any],
                                                                np.ndarray[Any, Any]]:
