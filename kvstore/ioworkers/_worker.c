@@ -29,6 +29,7 @@
 #define KV_A_DIRECT 4u
 #define KV_A_READING 5u
 #define KV_NBAD 16
+#define KV_WRITE_BELL 4
 
 struct kv_io_request {  /* IO_REQUEST, 104 bytes */
     uint64_t tag; uint32_t op, buf; uint64_t offset, length, gen, d[4];
@@ -267,7 +268,11 @@ static void kv_complete(struct kv_worker *w, int32_t k, int64_t res, uint64_t no
         struct kv_completion rec = {p->r.tag, res, status, KV_K_SUPERVISOR, lat, 0, 0};
         if (w->ndeferred || !kv_ring_put(&w->done, &rec, sizeof rec))
             w->deferred[w->ndeferred++] = rec;  /* at most one per slot: ``depth`` suffices */
-        w->bell = 1;
+        /* a read is waited for: wake the supervisor. A write in a stream of them is not, one by
+           one: wake it for every KV_WRITE_BELL of them, or when the stream pauses (none left in
+           flight or queued: a put may wait for this one, or the supervisor have more to post) */
+        if (is_read || !w->writes_inflight || !kv_ring_len(&w->writes) || kv_ring_len(&w->done) >= KV_WRITE_BELL)
+            w->bell = 1;
     }
     w->free_slots[w->nfree++] = k;
 }
