@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 
 from .config import check_name, mass_home, run_dir, store_path
@@ -68,6 +67,11 @@ def _copy_summed(dst: memoryview, src: memoryview) -> int:
     """Copy ``src`` into ``dst`` and return its xxh3_64, computed on the way (ioworkers/_copy.c:
     computed afterwards, it reads the page from memory again)."""
     return int(LIB.kv_copy_sum(FFI.from_buffer("uint8_t[]", dst), FFI.from_buffer("uint8_t[]", src), len(src)))
+
+
+def _checksum(page: memoryview) -> int:
+    """xxh3_64 of a page (compiled: the same function as the slot header's checksum)."""
+    return int(LIB.kv_xxh3(FFI.from_buffer("uint8_t[]", page), len(page)))
 
 
 def _put_result(results: list[int]) -> PutResult:
@@ -762,37 +766,16 @@ class KVCacheClient:
             if v.nbytes != self.page_size:
                 raise ValueError(f"pages[{i}] has {v.nbytes} bytes; this store's page_size is {self.page_size}")
             views.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
-        results: list[int] = []
         deadline = self._deadline(timeout)
-        # Sub-batches of a quarter lease: while the service writes one, the next is being
-        # copied in. A whole-lease batch would wait for every write of the previous one.
-        # One sub-batch is posted ahead: the next is copied in while the service takes it
-        # (waiting for each answer before copying on left the client idle that long).
-        step = max(1, self.max_batch // 4)
         ids, _ = key_digests(keys)
-        posted: tuple[P.Descriptor, int, list[int]] | None = None
         with self._lock:
             self._check_open()
-            try:
-                for start in range(0, len(keys), step):
-                    n = min(step, len(keys) - start)
-                    d = self._acquire(deadline)
-                    self._keys(d, ids, start, n)
-                    bufs = self._alloc(n, deadline)
-                    csums = [_copy_summed(self._arena.payload(b), views[start + j]) for j, b in enumerate(bufs)]
-                    seq = self._post_put(d, bufs, wait, csums)
-                    prev, posted = posted, (d, seq, bufs)
-                    if prev is not None:
-                        results += self._put_answer(*prev, deadline)
-                if posted is not None:
-                    p, posted = posted, None
-                    results += self._put_answer(*p, deadline)
-            finally:
-                if posted is not None:  # failing with a sub-batch posted: it is the service's until answered
-                    try:
-                        self._put_answer(*posted, deadline)
-                    except Exception:
-                        pass  # timed out too: its descriptor and buffers come back when answered
+
+            def fill(start: int, n: int) -> tuple[list[int], list[int]]:
+                bufs = self._alloc(n, deadline)
+                return bufs, [_copy_summed(self._arena.payload(b), views[start + j]) for j, b in enumerate(bufs)]
+
+            results = self._put_stream(ids, fill, wait, deadline)
         return _put_result(results)
 
     def reserve(self, n: int, *, timeout: float | None = None) -> PageReservation:
@@ -817,19 +800,54 @@ class KVCacheClient:
         if not keys:
             return PutResult(0, 0, 0, 0)
         deadline = self._deadline(timeout)
+        taken = 0  # buffers handed to ``_put_stream``: the rest are still ours to give back
         with self._lock:
             try:
                 self._check_open()
                 ids, _ = key_digests(keys)
+
+                def fill(start: int, n: int) -> tuple[list[int], list[int]]:
+                    # filled in place, never copied here: one pass to checksum each page, so
+                    # that the device worker does not make it (it serves every client of its device)
+                    nonlocal taken
+                    part = bufs[start:start + n]
+                    taken = start + n
+                    return part, [_checksum(self._arena.payload(b)) for b in part]
+
+                return _put_result(self._put_stream(ids, fill, wait, deadline))
+            finally:
+                self._give_back(bufs[taken:])
+
+    def _put_stream(self, ids: np.ndarray[Any, Any], fill: Any, wait: bool, deadline: float) -> list[int]:
+        """Put the pages of key ids ``ids`` in sub-batches of a quarter lease: ``fill(start, n)``
+        returns the buffers of pages ``start..start+n`` and their checksums. While the service
+        writes one sub-batch the next is being filled (a whole-lease batch would wait for every
+        write of the previous one), and one is posted ahead of its answer (waiting for each
+        answer before filling the next left the client idle that long). Per-page results in
+        order. Caller holds the lock."""
+        step = max(1, self.max_batch // 4)
+        results: list[int] = []
+        posted: tuple[P.Descriptor, int, list[int]] | None = None
+        try:
+            for start in range(0, len(ids), step):
+                n = min(step, len(ids) - start)
                 d = self._acquire(deadline)
-                self._keys(d, ids, 0, len(keys))
-            except BaseException:
-                self._give_back(bufs)
-                raise
-            # filled in place, never copied here: one pass to checksum each page, so that the
-            # device worker does not make it (it serves every client of its device)
-            csums = [xxhash.xxh3_64_intdigest(self._arena.payload(b)) for b in bufs]
-            return _put_result(self._put_answer(d, self._post_put(d, bufs, wait, csums), bufs, deadline))
+                self._keys(d, ids, start, n)
+                bufs, csums = fill(start, n)
+                seq = self._post_put(d, bufs, wait, csums)
+                prev, posted = posted, (d, seq, bufs)
+                if prev is not None:
+                    results += self._put_answer(*prev, deadline)
+            if posted is not None:
+                p, posted = posted, None
+                results += self._put_answer(*p, deadline)
+        finally:
+            if posted is not None:  # failing with a sub-batch posted: it is the service's until answered
+                try:
+                    self._put_answer(*posted, deadline)
+                except Exception:
+                    pass  # timed out too: its descriptor and buffers come back when answered
+        return results
 
     def _post_put(self, d: P.Descriptor, bufs: list[int], wait: bool, csums: list[int]) -> int:
         """Hand the filled ``bufs`` (payload checksums ``csums``) to the service as the put in

@@ -86,6 +86,7 @@ int kv_wk_turn(struct kv_worker *w);
 int kv_wk_reap(struct kv_worker *w, int min_nr, int64_t timeout_ns);
 void kv_wk_layout(int64_t *out);
 uint64_t kv_copy_sum(uint8_t *dst, const uint8_t *src, size_t n);
+uint64_t kv_xxh3(const uint8_t *p, size_t n);
 """
 
 SOURCE = r"""
@@ -173,7 +174,7 @@ ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "kvstore.ioworkers._aio",
     SOURCE,
-    libraries=["aio"],
+    libraries=["aio", "xxhash"],
     extra_compile_args=["-O2", "-std=gnu11"],
 )
 

@@ -42,7 +42,7 @@ uint64_t kv_copy_sum(uint8_t *dst, const uint8_t *src, size_t n) {
     XXH3_64bits_reset(&st);
     for (size_t o = 0; o < n; o += KV_COPY_CHUNK) {
         size_t k = n - o < KV_COPY_CHUNK ? n - o : KV_COPY_CHUNK;
-        XXH3_64bits_update(&st, src + o, k);
+        KV_XXH3_UPDATE(&st, src + o, k);
         kv_copy_stream(dst + o, src + o, k);
     }
 #if defined(__SSE2__)
@@ -50,3 +50,6 @@ uint64_t kv_copy_sum(uint8_t *dst, const uint8_t *src, size_t n) {
 #endif
     return XXH3_64bits_digest(&st);
 }
+
+/* xxh3_64 of a page filled in place (a reservation's commit). */
+uint64_t kv_xxh3(const uint8_t *p, size_t n) { return KV_XXH3(p, n); }

@@ -11,8 +11,19 @@
    the numpy dtypes of ioworkers/protocol.py and service/protocol.py (tests compare the
    offsets), the slot header the one of storage/header.py and docs/FORMAT.md. */
 
-#define XXH_INLINE_ALL
+/* xxh3 from libxxhash, on x86_64 through its runtime dispatch, which picks AVX-512 or AVX2
+   where the CPU has them: 1 MiB in ~25 us hot / ~100 us cold here, against ~57 / ~160 us for
+   the SSE2 code a plain build (or an inlined copy of the header) gets. */
+#define XXH_STATIC_LINKING_ONLY  /* XXH3_state_t on the stack (kv_copy_sum) */
 #include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>
+#define KV_XXH3 XXH3_64bits_dispatch
+#define KV_XXH3_UPDATE XXH3_64bits_update_dispatch
+#else
+#define KV_XXH3 XXH3_64bits
+#define KV_XXH3_UPDATE XXH3_64bits_update
+#endif
 #include <stdlib.h>
 
 #define KV_HEADER_BLOCK 4096
@@ -170,7 +181,7 @@ static void kv_log_bad(struct kv_worker *w, const struct kv_pend *p, const uint8
 static int kv_validate(struct kv_worker *w, const struct kv_pend *p) {
     const uint8_t *h = w->arena + (uint64_t)p->r.buf * w->bsize;
     uint64_t n = p->r.payload_len;
-    if (memcmp(h, "KVSTSLOT", 8) != 0 || load64(h + KV_FIELDS_SIZE) != XXH3_64bits(h, KV_FIELDS_SIZE)
+    if (memcmp(h, "KVSTSLOT", 8) != 0 || load64(h + KV_FIELDS_SIZE) != KV_XXH3(h, KV_FIELDS_SIZE)
             || load32(h + 8) != (uint32_t)w->version) {
         kv_log_bad(w, p, h, 0);
         return KV_ST_BAD_HEADER;
@@ -181,7 +192,7 @@ static int kv_validate(struct kv_worker *w, const struct kv_pend *p) {
         kv_log_bad(w, p, h, 1);
         return KV_ST_BAD_HEADER;
     }
-    if (XXH3_64bits(h + KV_HEADER_BLOCK, n) != load64(h + 96)) return KV_ST_BAD_CHECKSUM;
+    if (KV_XXH3(h + KV_HEADER_BLOCK, n) != load64(h + 96)) return KV_ST_BAD_CHECKSUM;
     return KV_ST_OK;
 }
 
@@ -191,7 +202,7 @@ static void kv_prepare_write(struct kv_worker *w, const struct kv_io_request *r)
     uint64_t n = r->payload_len;
     /* a checksum the client computed while copying the page in is trusted only as far as any
        checksum is: one that does not match the payload makes the page a miss when read */
-    uint64_t csum = (r->flags & KV_F_CSUM) ? r->csum : XXH3_64bits(h + KV_HEADER_BLOCK, n);
+    uint64_t csum = (r->flags & KV_F_CSUM) ? r->csum : KV_XXH3(h + KV_HEADER_BLOCK, n);
     memset(h, 0, KV_HEADER_BLOCK);
     memcpy(h, "KVSTSLOT", 8);
     store32(h + 8, (uint32_t)w->version);
@@ -204,7 +215,7 @@ static void kv_prepare_write(struct kv_worker *w, const struct kv_io_request *r)
     store64(h + 88, n);
     store64(h + 96, csum);
     store64(h + 104, kv_now_ns(CLOCK_REALTIME));
-    store64(h + KV_FIELDS_SIZE, XXH3_64bits(h, KV_FIELDS_SIZE));
+    store64(h + KV_FIELDS_SIZE, KV_XXH3(h, KV_FIELDS_SIZE));
 }
 
 static void kv_flush_deferred(struct kv_worker *w) {

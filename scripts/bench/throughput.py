@@ -10,7 +10,11 @@ For each target device it runs, back to back:
 1. fio, libaio + O_DIRECT, block size = one slot (4 KiB header + page), one job:
    sequential write at queue depth ``max_inflight_writes`` (kvstore's write
    limit), random read at queue depth ``read_queue_depth``, and random read at
-   queue depth 1 (single-request latency);
+   queue depth 1 (single-request latency); also, for comparison only, random
+   read at ``read_queue_depth`` with fio checking an xxhash of every block
+   (``--verify=xxhash``, blocks written with fio's verification headers just
+   before, unmeasured), the work kvstore's validated get does and plain fio
+   does not;
 2. kvstore through the client library (fio and kvstore alternate, ``--repeat`` times;
    medians of the figures and of the per-repetition ratios are reported): put of ``size`` bytes of pages (batches of
    ``max_batch``, completion measured until every page is written), get of all
@@ -50,15 +54,22 @@ from kvstore.shm.stats import StatsBlock  # noqa: E402
 from kvstore.testing import ServiceProcess, make_store  # noqa: E402
 
 
-def fio(dev: str, rw: str, bs: int, qd: int, size: int, offset: int, runtime: float | None = None) -> dict:
+def fio(dev: str, rw: str, bs: int, qd: int, size: int, offset: int, runtime: float | None = None,
+        verify: str = "") -> dict:
+    """One fio job; ``verify``: "write" writes blocks with xxhash verification headers,
+    "read" reads them back (in the same random order) and checks every block."""
     cmd = ["fio", "--name=b", f"--filename={dev}", "--ioengine=libaio", "--direct=1", f"--rw={rw}",
            f"--bs={bs}", f"--iodepth={qd}", f"--size={size}", f"--offset={offset}", "--numjobs=1",
-           "--output-format=json", "--randrepeat=1", "--norandommap"]
+           "--output-format=json", "--randrepeat=1"]
+    if verify:  # fio needs its random map to know which blocks to check
+        cmd += ["--verify=xxhash", "--do_verify=0" if verify == "write" else "--verify_only"]
+    else:
+        cmd += ["--norandommap"]
     if runtime:
         cmd += [f"--runtime={runtime}", "--time_based"]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     job = out["jobs"][0]
-    part = job["write"] if "write" in rw else job["read"]
+    part = job["write"] if "write" in rw and verify != "read" else job["read"]
     pct = part["clat_ns"].get("percentile", {})
     return {"gbps": part["bw_bytes"] / 1e9, "iops": part["iops"],
             "p50_us": pct.get("50.000000", 0) / 1e3, "p99_us": pct.get("99.000000", 0) / 1e3}
@@ -102,7 +113,8 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
         make_store(home, "bench", [dev], page_size, service=ServiceConfig(client_buffers=64, max_clients=2),
                    worker=wcfg, force=True)
         runs: dict[str, list[dict]] = {k: [] for k in ("fio_write", "fio_randread", "fio_randread_qd1",
-                                                       "kvstore_put", "kvstore_get", "kvstore_get_qd1")}
+                                                       "fio_randread_verify", "kvstore_put", "kvstore_get",
+                                                       "kvstore_get_qd1")}
         wrong_total = 0
         with ServiceProcess(home, "bench") as svc:
             pages = [np.random.default_rng(i).integers(0, 256, page_size, dtype=np.uint8) for i in range(8)]
@@ -115,6 +127,11 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
                 for rep in range(repeat):
                     keys = [b"bench/%d/%d" % (rep, i) for i in range(n)]
                     runs["fio_write"].append(fio(dev, "write", slot, wcfg.max_inflight_writes, span, data_off))
+                    # fio checking every block it reads (xxhash, written with verification headers
+                    # just before, unmeasured): the work a validated get does, for comparison
+                    fio(dev, "randwrite", slot, wcfg.max_inflight_writes, span, data_off, verify="write")
+                    runs["fio_randread_verify"].append(
+                        fio(dev, "randwrite", slot, wcfg.read_queue_depth, span, data_off, verify="read"))
                     base = sb.snapshot().service
                     done0 = base.pages_written + base.put_dropped
                     t0 = time.perf_counter()
@@ -167,6 +184,8 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
             k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_put"], runs["fio_write"]))
         res["ratio_get_vs_fio_randread"] = statistics.median(
             k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_get"], runs["fio_randread"]))
+        res["ratio_get_vs_fio_randread_verify"] = statistics.median(
+            k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_get"], runs["fio_randread_verify"]))
         res["get_p50_budget_us"] = 2 * res["fio_randread_qd1"]["p50_us"] + 100
     finally:
         for cmd in cleanup:
@@ -201,6 +220,8 @@ def main() -> int:
         print(f"  fio randread qd{WorkerConfig().read_queue_depth:<3}     {r['fio_randread']['gbps']:6.2f} GB/s")
         print(f"  kvstore get              {r['kvstore_get']['gbps']:6.2f} GB/s   ratio {r['ratio_get_vs_fio_randread']:.2f}"
               f"   (wrong pages: {r['kvstore_get']['wrong']})")
+        print(f"  fio randread qd{WorkerConfig().read_queue_depth:<3} checking every block (--verify=xxhash) "
+              f"{r['fio_randread_verify']['gbps']:6.2f} GB/s   kvstore get / this {r['ratio_get_vs_fio_randread_verify']:.2f}")
         print(f"  fio randread qd1   p50 {r['fio_randread_qd1']['p50_us']:8.1f} us  p99 {r['fio_randread_qd1']['p99_us']:8.1f} us")
         print(f"  kvstore get 1 page p50 {r['kvstore_get_qd1']['p50_us']:8.1f} us  p99 {r['kvstore_get_qd1']['p99_us']:8.1f} us"
               f"   (target p50 <= {r['get_p50_budget_us']:.1f} us)")

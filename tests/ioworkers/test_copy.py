@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.client import _copy_summed
+from kvstore.client import _checksum, _copy_summed
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 4096, 65535, 65536, 65537, (1 << 20) + 100])
@@ -24,3 +24,9 @@ def test_copy_summed(n: int, src_off: int) -> None:
         assert np.array_equal(dst[4096:4096 + n], src[src_off:])
         assert (dst[:4096] == 0xA5).all() and (dst[4096 + n:] == 0xA5).all()
         del dst
+
+
+@pytest.mark.parametrize("n", [1, 4096, (1 << 20) + 100])
+def test_checksum_is_xxh3(n: int) -> None:
+    page = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    assert _checksum(memoryview(page)) == xxhash.xxh3_64_intdigest(page.tobytes())
