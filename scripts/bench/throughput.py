@@ -62,7 +62,8 @@ def fio(dev: str, rw: str, bs: int, qd: int, size: int, offset: int, runtime: fl
            f"--bs={bs}", f"--iodepth={qd}", f"--size={size}", f"--offset={offset}", "--numjobs=1",
            "--output-format=json", "--randrepeat=1"]
     if verify:  # fio needs its random map to know which blocks to check
-        cmd += ["--verify=xxhash", "--do_verify=0" if verify == "write" else "--verify_only"]
+        cmd += ["--verify=xxhash", "--verify_state_save=0",  # no state file left in the working directory
+                "--do_verify=0" if verify == "write" else "--verify_only"]
     else:
         cmd += ["--norandommap"]
     if runtime:
