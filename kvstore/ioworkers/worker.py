@@ -3,7 +3,10 @@
 Loop, in this order each turn (why: reads are what an engine waits on, writes
 can wait; and a deep write queue in the device is read latency):
 
-1. reap completions without blocking and report them on the ``done`` ring;
+1. reap completions without blocking and report them on the ``done`` ring,
+   waking the supervisor (its doorbell, once per turn) for any read, and for
+   writes once per four or when the write stream pauses (none in flight or
+   queued): a put stream does not wake it for every page;
 2. take reads from the ``reads`` ring while fewer than ``read_depth`` are
    outstanding;
 3. take writes only when no read waits (the ``reads`` ring and the clients'

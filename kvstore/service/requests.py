@@ -3,11 +3,13 @@
 ``Requests.serve`` takes at most one request per connection per loop turn (no client can
 starve another) from the connections' rings (``connections.take``: the request is copied at
 intake, the descriptor is the service's until answered), and handles it: lookups and pins at
-once, gets and puts by dispatching I/O to the device workers (``_dispatch``: one record on the
-worker's read or write ring, the I/O in ``pending`` under its tag). ``drain`` takes the
-workers' completions: a read's page goes to its client once every read of the get is done, a
-write is committed to the slot table and indexed; a direct read's report (the client already
-has its page) is counted, hinted to peers, and drops a location that failed validation.
+once, gets and puts by dispatching I/O to the device workers (``_dispatch``: a record for the
+worker's read or write ring, handed over up to ``FLUSH_EVERY`` at a time by ``_flush``, the I/O
+in ``pending`` under its tag). ``drain`` takes the workers' completions: a read's page goes to
+its client once every read of the get is done, a write is committed to the slot table; the
+writes of one drain are indexed together (``_settle``) before the puts they finish are
+answered. A direct read's report (the client already has its page) is counted, hinted to
+peers, and drops a location that failed validation.
 ``fail_device`` answers the I/Os of a lost worker.
 
 It works on the service's state through ``Store`` (the supervisor): the slot table, the key
