@@ -55,38 +55,17 @@ int64_t kv_index_insert(void *entries, uint64_t capacity, const void *slots, uin
                         const uint64_t *d0s, const int64_t *gids, int64_t n);
 void kv_seq_begin(uint64_t *seq);
 void kv_seq_end(uint64_t *seq);
-
-struct kv_ring { uint64_t *head; uint64_t *tail; uint8_t *recs; uint64_t mask; };
-struct kv_wconn {
-    int32_t live; int32_t wake; uint32_t gen, lease_start, lease_count; struct kv_ring ring;
-    int64_t *pins; uint64_t *dseq; int32_t *wstat; uint64_t *wseq; int64_t inflight;
-};
-struct kv_bad {
-    uint32_t area, decoded, key_matches, _pad;
-    uint64_t slot, expected_gen, found_gen, expected_len, found_len, found_slot;
-};
-struct kv_worker {
-    int fd, read_depth, max_writes, version;
-    struct kv_ring reads, writes, done;
-    uint8_t *arena; uint64_t bsize; uint32_t *states; uint32_t arena_count;
-    uint8_t uuid[16]; uint32_t dev; uint64_t page_size, slot_size;
-    const uint64_t *area_off; const uint64_t *area_slots; uint32_t n_areas;
-    uint64_t *row; int32_t didx[12]; uint64_t *hread, *hwrite; int32_t hist_buckets;
-    struct kv_wconn *conns; int32_t nconn;
-    int32_t bell, nwake, nbad;
-    int32_t *wake_list;
-    struct kv_bad bad[16];
-    uint64_t reports_dropped;
-    int64_t outstanding, reads_inflight, writes_inflight;
-    ...;
-};
+uint64_t kv_copy_sum(uint8_t *dst, const uint8_t *src, size_t n);
+uint64_t kv_xxh3(const uint8_t *p, size_t n);
+"""
+# the I/O worker's structures, declared once for C and cffi alike (see the file)
+WORKER_H = Path(__file__).with_name("_worker.h").read_text()
+CDEF += WORKER_H + """
 int kv_wk_init(struct kv_worker *w);
 void kv_wk_free(struct kv_worker *w);
 int kv_wk_turn(struct kv_worker *w);
 int kv_wk_reap(struct kv_worker *w, int min_nr, int64_t timeout_ns);
 void kv_wk_layout(int64_t *out);
-uint64_t kv_copy_sum(uint8_t *dst, const uint8_t *src, size_t n);
-uint64_t kv_xxh3(const uint8_t *p, size_t n);
 """
 
 SOURCE = r"""
@@ -165,7 +144,7 @@ void kv_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 # key digests (BLAKE2b) and the lock-free key-index reader: their own file, for their own concern
 SOURCE += Path(__file__).with_name("_keys.c").read_text()
 # the I/O worker's per-I/O path (uses _keys.c's load64/store64)
-SOURCE += Path(__file__).with_name("_worker.c").read_text()
+SOURCE += WORKER_H + Path(__file__).with_name("_worker.c").read_text()
 # a client's page copied into its buffer, checksummed on the way
 SOURCE += Path(__file__).with_name("_copy.c").read_text()
 

@@ -25,6 +25,7 @@
 #define KV_XXH3_UPDATE XXH3_64bits_update
 #endif
 #include <stdlib.h>
+/* the structures: _worker.h, placed before this file by _aio_build.py */
 
 #define KV_HEADER_BLOCK 4096
 #define KV_FIELDS_SIZE 120
@@ -42,67 +43,12 @@
 #define KV_NBAD 16
 #define KV_WRITE_BELL 4
 
-struct kv_io_request {  /* IO_REQUEST, 104 bytes */
-    uint64_t tag; uint32_t op, buf; uint64_t offset, length, gen, d[4];
-    uint32_t area, flags; uint64_t slot, payload_len, csum;
-};
-struct kv_direct_request {  /* DIRECT_REQ, 64 bytes */
-    uint64_t seq; uint16_t buf, area; uint32_t payload_len; uint64_t slot, gen, d[4];
-};
-struct kv_completion {  /* IO_COMPLETION, 48 bytes */
-    uint64_t tag; int64_t result; int32_t status; uint32_t kind; uint64_t latency_ns, gen, where;
-};
-
-struct kv_ring { uint64_t *head; uint64_t *tail; uint8_t *recs; uint64_t mask; };
-
-struct kv_wconn {
-    int32_t live;          /* in the connection table: its ring is served */
-    int32_t wake;          /* on the wake list of this turn */
-    uint32_t gen, lease_start, lease_count;
-    struct kv_ring ring;   /* its direct reads for this device */
-    int64_t *pins; uint64_t *dseq; int32_t *wstat; uint64_t *wseq;
-    int64_t inflight;
-};
-
-struct kv_bad {  /* a read whose header was not the expected one, for the log */
-    uint32_t area, decoded, key_matches, _pad;
-    uint64_t slot, expected_gen, found_gen, expected_len, found_len, found_slot;
-};
-
-struct kv_pend {
-    struct kv_io_request r;
-    int64_t t0;
-    int32_t conn;  /* -1: the supervisor's request; else the connection slot */
-    uint32_t b;
-    uint64_t seq;
-};
-
 enum { KV_D_READS, KV_D_READ_BYTES, KV_D_READ_ERRORS, KV_D_WRITES, KV_D_WRITE_BYTES, KV_D_WRITE_ERRORS,
        KV_D_OLDEST, KV_D_LOOP, KV_D_READS_INFLIGHT, KV_D_WRITES_INFLIGHT, KV_D_READS_QUEUED,
        KV_D_WRITES_QUEUED, KV_D_N };
 
-struct kv_worker {
-    /* set by Python before kv_wk_init */
-    int fd, read_depth, max_writes, version;
-    struct kv_ring reads, writes, done;
-    uint8_t *arena; uint64_t bsize; uint32_t *states; uint32_t arena_count;
-    uint8_t uuid[16]; uint32_t dev; uint64_t page_size, slot_size;
-    const uint64_t *area_off; const uint64_t *area_slots; uint32_t n_areas;
-    uint64_t *row; int32_t didx[KV_D_N]; uint64_t *hread, *hwrite; int32_t hist_buckets;
-    struct kv_wconn *conns; int32_t nconn;
-    /* read and reset by Python after each call */
-    int32_t bell, nwake, nbad;
-    int32_t *wake_list;
-    struct kv_bad bad[KV_NBAD];
-    uint64_t reports_dropped;
-    /* state */
-    int64_t outstanding, reads_inflight, writes_inflight;
-    int32_t depth, nfree, ndeferred, rr;
-    uint64_t next_direct;
-    io_context_t ctx;
-    struct iocb *iocbs; struct iocb **ptrs; struct kv_pend *pend; int32_t *free_slots;
-    struct kv_completion *deferred;
-};
+_Static_assert(KV_D_N == sizeof(((struct kv_worker *)0)->didx) / sizeof(int32_t), "didx size");
+_Static_assert(KV_NBAD == sizeof(((struct kv_worker *)0)->bad) / sizeof(struct kv_bad), "bad size");
 
 static inline uint64_t kv_now_ns(clockid_t clk) {
     struct timespec ts;
