@@ -42,13 +42,19 @@ def slot_offsets(dev: str) -> list[int]:
     return [a.offset + s * sb.slot_size for a in sb.areas for s in range(a.slot_count)]
 
 
-def test_bit_flips_and_zeroed_blocks_are_misses(home: Path, file_devices: Any, services: Any) -> None:
+def stored_pages(home: Path, file_devices: Any, services: Any, prefix: str, n: int) -> tuple[str, Any, list[bytes]]:
+    """A one-device store "f" of 64 slots, its service, and ``n`` pages saved: (device, service, keys)."""
     (dev,) = file_devices.make(1, (1 << 20) + 64 * (4096 + PS))
     make_store(home, "f", [dev], PS)
     svc = services(home, "f")
-    keys = keys_of("c", 60)
+    keys = keys_of(prefix, n)
     with KVCacheClient.connect("f", home=home) as c:
-        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 60
+        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == n
+    return dev, svc, keys
+
+
+def test_bit_flips_and_zeroed_blocks_are_misses(home: Path, file_devices: Any, services: Any) -> None:
+    dev, svc, keys = stored_pages(home, file_devices, services, "c", 60)
     offs = slot_offsets(dev)[:60]
     rng = random.Random(5)
     flipped = rng.sample(range(60), 10)
@@ -78,12 +84,7 @@ def test_well_formed_headers_of_another_page_are_misses(home: Path, file_devices
     """A header that is intact (its checksum holds) but not the one the page table expects:
     another generation, key, length, slot, store, device or format version, or a payload
     checksum the payload does not have. Each is a miss, never the bytes."""
-    (dev,) = file_devices.make(1, (1 << 20) + 64 * (4096 + PS))
-    make_store(home, "f", [dev], PS)
-    svc = services(home, "f")
-    keys = keys_of("h", 9)
-    with KVCacheClient.connect("f", home=home) as c:
-        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 9
+    dev, svc, keys = stored_pages(home, file_devices, services, "h", 9)
     offs = slot_offsets(dev)
     with open(dev, "r+b") as f:
         headers = []
@@ -113,12 +114,7 @@ def test_well_formed_headers_of_another_page_are_misses(home: Path, file_devices
 def test_reads_that_fail_are_reported_and_missed(home: Path, file_devices: Any, services: Any) -> None:
     """A device whose reads fail past some offset (the file is cut short under the service:
     reads there come back short, which the worker reports as an I/O error)."""
-    (dev,) = file_devices.make(1, (1 << 20) + 64 * (4096 + PS))
-    make_store(home, "f", [dev], PS)
-    svc = services(home, "f")
-    keys = keys_of("e", 40)
-    with KVCacheClient.connect("f", home=home) as c:
-        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 40
+    dev, svc, keys = stored_pages(home, file_devices, services, "e", 40)
     offs = slot_offsets(dev)
     os.truncate(dev, offs[30])  # slots 30.. are gone
     h, m, w = verify(home, keys)
