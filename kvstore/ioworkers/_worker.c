@@ -42,6 +42,7 @@
 #define KV_A_READING 5u
 #define KV_NBAD 16
 #define KV_WRITE_BELL 4
+#define KV_MAX_DEPTH 4096  /* I/O slots at most (the config allows 512): per-turn arrays live on the stack */
 
 enum { KV_D_READS, KV_D_READ_BYTES, KV_D_READ_ERRORS, KV_D_WRITES, KV_D_WRITE_BYTES, KV_D_WRITE_ERRORS,
        KV_D_OLDEST, KV_D_LOOP, KV_D_READS_INFLIGHT, KV_D_WRITES_INFLIGHT, KV_D_READS_QUEUED,
@@ -84,6 +85,7 @@ static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 
 int kv_wk_init(struct kv_worker *w) {
     w->depth = w->read_depth + w->max_writes;
+    if (w->read_depth < 1 || w->max_writes < 1 || w->depth > KV_MAX_DEPTH) return -EINVAL;
     w->iocbs = calloc((size_t)w->depth, sizeof(struct iocb));
     w->ptrs = calloc((size_t)w->depth, sizeof(struct iocb *));
     w->pend = calloc((size_t)w->depth, sizeof(struct kv_pend));
@@ -348,7 +350,7 @@ static void kv_submit_batch(struct kv_worker *w, int32_t *batch, int n) {
 /* One loop turn: reap what finished, take reads (the supervisor's, then the clients' direct
    ones), take writes only when no read waits, submit. Returns how many I/Os it took. */
 int kv_wk_turn(struct kv_worker *w) {
-    int32_t batch[4096];
+    int32_t batch[KV_MAX_DEPTH];
     int n = 0;
     uint64_t now;
     if (w->ndeferred) kv_flush_deferred(w);
@@ -384,7 +386,7 @@ int kv_wk_turn(struct kv_worker *w) {
        this loop still turns */
     int64_t oldest = 0;
     if (w->nfree < w->depth) {
-        char used[4096];
+        char used[KV_MAX_DEPTH];
         memset(used, 1, (size_t)w->depth);
         for (int32_t i = 0; i < w->nfree; i++) used[w->free_slots[i]] = 0;
         for (int32_t i = 0; i < w->depth; i++)
