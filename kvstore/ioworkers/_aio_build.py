@@ -44,6 +44,7 @@ void kv_store_release_u32(uint32_t *p, uint32_t v);
 int kv_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired);
 uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v);
 void kv_fence(void);
+int kv_contains_i64(const int64_t *a, int64_t n, int64_t v);
 
 void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
                     size_t saltlen, uint8_t *ids_out, uint8_t *salted_out);
@@ -140,6 +141,12 @@ uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v) { return __atomic_fetch_add(p
 /* A full fence: the two sides of a pin (a reader's "pin, then check the slot" against the
    supervisor's "retire, then check the pins") each need their store ordered before their load. */
 void kv_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+/* Whether v is among a[0..n) (volatile loads: other processes write a; the caller fences first). */
+int kv_contains_i64(const int64_t *a, int64_t n, int64_t v) {
+    const volatile int64_t *x = a;
+    for (int64_t i = 0; i < n; i++) if (x[i] == v) return 1;
+    return 0;
+}
 """
 # key digests (BLAKE2b) and the lock-free key-index reader: their own file, for their own concern
 SOURCE += Path(__file__).with_name("_keys.c").read_text()

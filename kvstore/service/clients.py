@@ -256,7 +256,7 @@ class Clients:
         the slot was retired before this call, so a client that pinned it after our look sees
         it retired and does not read it."""
         LIB.kv_fence()
-        return any(bool((c.chan.pins == gid).any()) for c in self.conns.values())
+        return any(c.chan.pinned(gid) for c in self.conns.values())
 
     def fail_direct_reads(self, device: int) -> None:
         """The worker of ``device`` is gone (no more DMA can land): fail the direct reads it had

@@ -248,6 +248,7 @@ class ClientChannel:
             self.direct.append(Ring(buf, o, cap, DIRECT_REQ))
             o += Ring.nbytes(cap, DIRECT_REQ)
         self.pins = np.frombuffer(buf, dtype="<i8", count=max_batch, offset=o)
+        self._pins = FFI.cast("int64_t *", base + o)
         o += _round64(8 * max_batch)
         self.dseq = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
         o += _round64(8 * max_batch)
@@ -258,6 +259,10 @@ class ClientChannel:
         self._wseq_off = o
         self.wseq = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
         self._wseq = FFI.cast("uint64_t *", base + o)
+
+    def pinned(self, gid: int) -> bool:
+        """Whether one of this connection's direct reads pins slot ``gid`` (the caller fences first)."""
+        return bool(LIB.kv_contains_i64(self._pins, self.max_batch, gid))
 
     def done_seq(self, b: int) -> int:
         """The seq of the direct read whose result ``wstat[b]`` holds (load-acquire)."""

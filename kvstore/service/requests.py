@@ -242,7 +242,7 @@ class Requests:
         res = req.results
         n = req.count
         wait = bool(req.flags & P.FLAG_WAIT)
-        present = self.s.index.lookup(words, self.s.local) >= 0
+        present = self.s.index.contains(words)
         self.s.stats.add("puts")
         self.s.stats.add("put_pages", n)
         seen: set[bytes] = set()

@@ -163,6 +163,18 @@ class KeyIndex:
             pos[active] = self._step(pos[active])
         return res
 
+    def contains(self, words: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Per digest (``n x 4`` u64), whether a VALID slot holds it: the readers' compiled probe
+        (a put's dedupe asks this for every page; ``lookup`` is its numpy twin that prefers
+        local copies). The writer never overlaps its own rebuild, so no retry is needed."""
+        words = np.ascontiguousarray(words, dtype="<u8").reshape(-1, 4)
+        out = np.empty(len(words), dtype=np.int64)
+        if len(words) and LIB.kv_index_lookup(self._seq_ptr, self._ep, self.capacity, self._sp, len(self.slots),
+                                              FFI.cast("uint64_t *", words.ctypes.data), len(words),
+                                              FFI.cast("int64_t *", out.ctypes.data), FFI.NULL) < 0:
+            return self.lookup(words) >= 0  # cannot happen (see above): the numpy probe, to be safe
+        return out >= 0
+
     def insert_many(self, words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any]) -> None:
         """Index slots ``gids`` under digests ``words`` (``n x 4`` u64), in batch order.
 

@@ -40,6 +40,7 @@ def test_index_matches_dict(ops: list[tuple[str, int]], collide: bool) -> None:
     got = ix.lookup(allw)
     want = np.array([model.get(k, -1) for k in range(N)])
     assert (got == want).all()
+    assert (ix.contains(allw) == (want >= 0)).all()  # the compiled probe a put's dedupe uses
     ix.rebuild()  # a rebuild from the slot table gives the same answers
     assert (ix.lookup(allw) == want).all()
     assert ix.statistics().used == len(model)
