@@ -116,6 +116,12 @@ class Allocator:
         only once it is neither pinned here nor there)."""
         self.reading = reading
         self.slots = slots
+        # field views, made once: ``slots["state"]`` builds a new view on every call (~1 us), and
+        # the allocator's per-write path touches a slot's fields a dozen times
+        self._state = slots["state"]
+        self._gen = slots["gen"]
+        self._len = slots["length"]
+        self._dw = [slots["d0"], slots["d1"], slots["d2"], slots["d3"]]
         self.own = list(own)
         self.gens = list(gens)
         self.on_retire = on_retire
@@ -159,20 +165,19 @@ class Allocator:
     def retire(self, gid: int, device: int) -> None:
         """Retire an own VALID slot: tombstone generation (unindexes it), quarantine until safe."""
         t = int(self.owner[gid])
-        if t >= 0 and self.slots["state"][gid] == VALID:
+        if t >= 0 and self._state[gid] == VALID:
             self.used_by[t] = self.used_by.get(t, 0) - 1
             self.owner[gid] = -1
         if self.sticky[gid]:  # only a failed validation retires a pinned slot: the pin goes too
             self.sticky[gid] = 0
             for pins in self.pinned_by.values():
                 pins.discard(gid)
-        s = self.slots[gid]
         # state first, then the generation: a client that reads gen, state, gen (client.py
         # _get_direct) and sees VALID then also sees the old generation twice, never a new
         # generation beside the old state (that read would expect a header no device holds)
-        s["state"] = RETIRED
+        self._state[gid] = RETIRED
         LIB.kv_fence()
-        s["gen"] = self.gens[device].next()
+        self._gen[gid] = self.gens[device].next()
         self.quarantine[device].append((gid, self.clock() + self.grace_s))
         if self.on_retire is not None:
             self.on_retire(gid)
@@ -194,7 +199,7 @@ class Allocator:
         """CLOCK: retire the next own VALID slot that is neither pinned nor recently used (of
         ``tenant`` only, if given); False if a full double sweep finds none."""
         r = self.own[device]
-        st = self.slots["state"]
+        st = self._state
         for _ in range(2 * len(r)):
             gid = self.hand[device]
             self.hand[device] = gid + 1 if gid + 1 < r.stop else r.start
@@ -263,19 +268,18 @@ class Allocator:
         self.owner[gid] = tenant
         if tenant >= 0:
             self.used_by[tenant] = self.used_by.get(tenant, 0) + 1
-        s = self.slots[gid]
-        s["gen"] = self.gens[device].next()
-        s["state"] = WRITING
-        s["length"] = 0
+        self._gen[gid] = self.gens[device].next()
+        self._state[gid] = WRITING
+        self._len[gid] = 0
         self.ref[gid] = 1
         return gid
 
     def commit(self, gid: int, words: np.ndarray[Any, Any], length: int) -> None:
         """The write of ``gid`` completed: record the key and mark it VALID (caller indexes it)."""
-        s = self.slots[gid]
-        s["d0"], s["d1"], s["d2"], s["d3"] = words.tolist()
-        s["length"] = length
-        s["state"] = VALID
+        for f, x in zip(self._dw, words.tolist()):
+            f[gid] = x
+        self._len[gid] = length
+        self._state[gid] = VALID
 
     def abandon(self, gid: int, device: int) -> None:
         """The write of ``gid`` failed or was dropped: the slot is empty again."""
@@ -283,15 +287,15 @@ class Allocator:
         if t >= 0:
             self.used_by[t] = self.used_by.get(t, 0) - 1
             self.owner[gid] = -1
-        self.slots[gid]["state"] = EMPTY
+        self._state[gid] = EMPTY
         self.free[device].append(gid)
 
     def drop(self, gid: int, device: int | None) -> None:
         """A read of ``gid`` failed validation: forget the location (own slots are retired)."""
-        if device is not None and self.slots["state"][gid] == VALID:
+        if device is not None and self._state[gid] == VALID:
             self.retire(gid, device)
-        elif self.slots["state"][gid] == VALID:
-            self.slots[gid]["state"] = EMPTY
+        elif self._state[gid] == VALID:
+            self._state[gid] = EMPTY
 
     def pin_client(self, gid: int, tenant: int, quota: int) -> bool:
         """Pin an own VALID slot for ``tenant`` so CLOCK never evicts it; False at the quota."""
