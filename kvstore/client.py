@@ -664,29 +664,40 @@ class KVCacheClient:
               & (s["d3"] == w[:, 3]) & (s["gen"] == gen) & (self._slots["gen"][g] == gen))
         ch.pins[lb[~ok]] = -1  # changed since the index said so: a miss
         posted: list[tuple[int, int, int]] = []  # (row, lease buffer, seq)
-        wake: set[int] = set()
         if ok.any():
-            rows, lbs, gs = hit[ok], lb[ok], g[ok]
+            rows, lbs, gs, wo = hit[ok], lb[ok], g[ok], w[ok]
             dev, area, slot = self._smap.locate_many(gs)
-            gens, lens = s["gen"][ok], s["length"][ok]
-            for j in range(len(rows)):
-                b, dv = int(lbs[j]), int(dev[j])
-                seq = self._seq
-                self._seq += 1
-                ch.dseq[b] = seq
-                ch.ddev[b] = dv
+            m = len(rows)
+            recs = np.empty(m, dtype=P.DIRECT_REQ)
+            recs["seq"] = np.arange(self._seq, self._seq + m, dtype=np.uint64)
+            self._seq += m
+            recs["buf"], recs["area"], recs["slot"] = lbs, area, slot
+            recs["payload_len"], recs["gen"] = s["length"][ok], s["gen"][ok]
+            for i in range(4):
+                recs[f"d{i}"] = wo[:, i]
+            ch.dseq[lbs] = recs["seq"]
+            ch.ddev[lbs] = dev
+            for b in lbs.tolist():
                 self._arena.set_state(lease0 + b, self._direct_state)  # the worker's from here on
+            seqs = recs["seq"].tolist()
+            for dv in np.unique(dev).tolist():
+                on = np.nonzero(dev == dv)[0]
                 try:
-                    ch.direct[dv].put_nowait((seq, b, int(area[j]), int(lens[j]), int(slot[j]), int(gens[j]),
-                                              *(int(x) for x in w[ok][j])))
+                    ch.direct[dv].put_many(recs[on])
+                    taken = on.tolist()
                 except WouldBlock:  # stale records fill the ring (its worker is not taking them)
-                    self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT)
-                    ch.pins[b] = -1
-                    continue
-                posted.append((int(rows[j]), b, seq))
-                wake.add(dv)
-        for dv in wake:
-            self._wakes[dv].release()
+                    taken = []
+                    for j in on.tolist():
+                        try:
+                            ch.direct[dv].put_nowait(recs[j])
+                            taken.append(j)
+                        except WouldBlock:
+                            b = int(lbs[j])
+                            self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT)
+                            ch.pins[b] = -1
+                posted += [(int(rows[j]), int(lbs[j]), seqs[j]) for j in taken]
+                if taken:
+                    self._wakes[dv].release()
         good = [False] * n
         waiting = list(posted)
         # a read of one or two pages is over in a few hundred microseconds: poll for it (yielding
