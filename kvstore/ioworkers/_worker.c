@@ -280,9 +280,13 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
     for (int32_t j = 0; j < w->nconn; j++)
         if (w->conns[j].live && kv_ring_len(&w->conns[j].ring)) busy++;
     if (!busy) return 0;
-    /* fair: each turn starts at the next connection, and takes at most an equal share of the
-       room from each while others wait (one client's deep batch must not hold the device) */
-    w->rr = (w->rr + 1) % w->nconn;
+    /* fair: each turn starts at the next live connection (round robin over those, not over the
+       table's slots, most of which are empty), and takes at most an equal share of the room
+       from each while others wait (one client's deep batch must not hold the device) */
+    for (int32_t j = 1; j <= w->nconn; j++) {
+        int32_t ci = (w->rr + j) % w->nconn;
+        if (w->conns[ci].live) { w->rr = ci; break; }
+    }
     int share = room / busy > 1 ? room / busy : 1;
     for (int32_t j = 0; j < w->nconn && taken < room; j++) {
         int32_t ci = (w->rr + j) % w->nconn;
