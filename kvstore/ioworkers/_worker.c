@@ -42,7 +42,7 @@
 #define KV_A_READING 5u
 #define KV_NBAD 16
 #define KV_WRITE_BELL 4
-#define KV_MAX_DEPTH 4096  /* I/O slots at most (the config allows 512): per-turn arrays live on the stack */
+#define KV_MAX_DEPTH 4096  /* I/O slots at most (the config allows 512): a turn's batch lives on the stack */
 
 enum { KV_D_READS, KV_D_READ_BYTES, KV_D_READ_ERRORS, KV_D_WRITES, KV_D_WRITE_BYTES, KV_D_WRITE_ERRORS,
        KV_D_OLDEST, KV_D_LOOP, KV_D_READS_INFLIGHT, KV_D_WRITES_INFLIGHT, KV_D_READS_QUEUED,
@@ -233,6 +233,7 @@ static void kv_complete(struct kv_worker *w, int32_t k, int64_t res, uint64_t no
         if (is_read || !w->writes_inflight || !kv_ring_len(&w->writes) || kv_ring_len(&w->done) >= KV_WRITE_BELL)
             w->bell = 1;
     }
+    p->t0 = 0;  /* free (kv_wk_turn's oldest I/O skips it) */
     w->free_slots[w->nfree++] = k;
 }
 
@@ -389,12 +390,9 @@ int kv_wk_turn(struct kv_worker *w) {
     /* health, judged by the supervisor: the age of the oldest I/O the device holds, and that
        this loop still turns */
     int64_t oldest = 0;
-    if (w->nfree < w->depth) {
-        char used[KV_MAX_DEPTH];
-        memset(used, 1, (size_t)w->depth);
-        for (int32_t i = 0; i < w->nfree; i++) used[w->free_slots[i]] = 0;
-        for (int32_t i = 0; i < w->depth; i++)
-            if (used[i] && (!oldest || w->pend[i].t0 < oldest)) oldest = w->pend[i].t0;
+    for (int32_t i = 0; w->nfree < w->depth && i < w->depth; i++) {
+        int64_t t = w->pend[i].t0;  /* 0: a free slot */
+        if (t && (!oldest || t < oldest)) oldest = t;
     }
     uint64_t *row = w->row;
     row[w->didx[KV_D_OLDEST]] = (uint64_t)oldest;

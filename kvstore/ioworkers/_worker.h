@@ -32,7 +32,7 @@ struct kv_bad {  /* a read whose header was not the expected one, for the log */
 
 struct kv_pend {
     struct kv_io_request r;
-    int64_t t0;
+    int64_t t0;    /* submit time, CLOCK_MONOTONIC ns; 0 while the slot is free */
     int32_t conn;  /* -1: the supervisor's request; else the connection slot */
     uint32_t b;
     uint64_t seq;

@@ -125,9 +125,7 @@ class _Conn:
     """A client connection whose direct reads this worker serves (``k``: its slot in the C table)."""
 
     def __init__(self, p: WorkerParams, cid: int, entry: Any, k: int, c: Any) -> None:
-        self.cid = cid
         self.k = k
-        self.gen = int(entry["gen"])
         self.seg = Segment.attach(p.conn_prefix + str(cid))
         try:
             lease_count = int(entry["lease_count"])
@@ -137,7 +135,7 @@ class _Conn:
             self.seg.close()
             raise
         self.c = c
-        c.gen = self.gen & 0xFFFFFFFF
+        c.gen = int(entry["gen"]) & 0xFFFFFFFF
         c.lease_start = int(entry["lease_start"])
         c.lease_count = lease_count
         _ring(c.ring, self.chan.direct[p.device_index])
@@ -303,8 +301,7 @@ class Worker:
             if c.c.inflight:
                 keep.append(c)
             else:
-                c.close()
-                self._cslots[c.k].live = 0
+                c.close()  # not live since it left the table (``_poll_conns``)
                 self._by_slot.pop(c.k, None)
                 self._free_slots.append(c.k)
         self._leaving = keep
