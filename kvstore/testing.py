@@ -7,6 +7,7 @@ tests use.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,21 +22,52 @@ from .errors import KVStoreError
 from .shm.segment import leftovers, name_prefix
 
 
-def free_port_pair() -> int:
-    """A port P such that P and P+1 are free on 127.0.0.1 (sync, events and metrics use P+1 too)."""
+_handed_out: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (``ip_local_port_range``)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # Linux's default
+    return lo, hi
+
+
+def free_port(n: int = 1) -> int:
+    """A port P such that P .. P+n-1 are free on 127.0.0.1 and outside the kernel's ephemeral range.
+
+    Outside it, because a port from that range that is free when chosen can become the local end
+    of any outgoing connection on the machine (one server's sync agent dialing another) before
+    the service binds it, and then the bind fails for as long as that connection lives (seen: a
+    sync agent that could not bind its address for a whole test). Ports handed out by this
+    process are not handed out again.
+    """
+    lo, hi = ephemeral_port_range()
+    pool = range(10_000, lo - n) if lo - n > 11_000 else range(hi + 1, 65_536 - n)
+    rng = random.SystemRandom()
     for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = int(s.getsockname()[1])
-        if p >= 65534:
+        p = rng.choice(pool)
+        if any(q in _handed_out for q in range(p, p + n)):
             continue
+        socks = [socket.socket() for _ in range(n)]
         try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", p + i))
         except OSError:
             continue
-    raise OSError("no free pair of ports on 127.0.0.1")
+        finally:
+            for s in socks:
+                s.close()
+        _handed_out.update(range(p, p + n))
+        return p
+    raise OSError("no free ports on 127.0.0.1 outside the ephemeral range")
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P+1 are free on 127.0.0.1 (sync, events and metrics use P+1 too);
+    see ``free_port``."""
+    return free_port(2)
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 15.0, interval: float = 0.02) -> bool:

@@ -22,8 +22,10 @@ can stop the loop.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,10 @@ from .log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_HIN
                   SYNC_REC, SyncRings, to_registers, to_sync)
 
 log = structlog.get_logger(__name__)
+
+EXIT_ADDRESS_IN_USE = 3
+ADDRESS_IN_USE_HINT = ("a port inside net.ipv4.ip_local_port_range can be taken by any outgoing connection's "
+                       "local end; give the server a sync port (and PORT+1) outside that range")
 
 
 @dataclass(frozen=True)
@@ -112,10 +118,14 @@ class Agent:
         self.stats = StatsBlock.attach(self.stats_seg.buf)
         self.doorbell = attach_semaphore(p.doorbell)
         self.t = Transport(p.public_key, p.secret_key, [x.public_key for x in p.peers])
-        self.pub = self.t.publisher(p.pub)
-        self.router = self.t.router(p.router)
-        self.subs = {x.area: self.t.subscriber(x.pub, x.public_key) for x in p.peers}
-        self.dealers = {x.area: self.t.dealer(x.router, x.public_key, p.server.encode()) for x in p.peers}
+        try:
+            self.pub = self.t.publisher(p.pub)
+            self.router = self.t.router(p.router)
+            self.subs = {x.area: self.t.subscriber(x.pub, x.public_key) for x in p.peers}
+            self.dealers = {x.area: self.t.dealer(x.router, x.public_key, p.server.encode()) for x in p.peers}
+        except BaseException:
+            self.t.close()
+            raise
         self.by_key = {x.public_key.decode(): x for x in p.peers}  # ZAP User-Id (z85 key) -> peer
         self.route: dict[int, bytes] = {}  # peer area -> routing id its authenticated requests came from
         self.state = {x.area: PeerState() for x in p.peers}
@@ -370,7 +380,15 @@ def agent_main(p: AgentParams) -> None:
 
     configure_logging(store=p.store, server=p.server, component="sync")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    a = Agent(p)
+    try:
+        a = Agent(p)
+    except zmq.ZMQError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        # the supervisor starts another agent; say why in words, not a traceback each time
+        log.error("sync address in use: another socket on this machine holds it", error=str(e),
+                  addresses=[p.pub, p.router], hint=ADDRESS_IN_USE_HINT)
+        sys.exit(EXIT_ADDRESS_IN_USE)
 
     def _term(signum: int, frame: Any) -> None:
         a.stop = True

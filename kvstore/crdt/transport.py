@@ -53,8 +53,8 @@ class Transport:
         s.zap_domain = ZAP_DOMAIN.encode()
         s.linger = 0
         s.sndhwm = 100_000
+        self.sockets.append(s)  # before bind: a socket left open when bind fails would hang close()
         s.bind(endpoint)
-        self.sockets.append(s)
         return s
 
     def _client(self, kind: int, endpoint: str, server_key: bytes) -> zmq.Socket[Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import StoreConfig
-from ..crdt.agent import AgentParams, Peer, agent_main
+from ..crdt.agent import ADDRESS_IN_USE_HINT, EXIT_ADDRESS_IN_USE, AgentParams, Peer, agent_main
 from ..crdt.keys import keypair_for, load_keypair
 from ..errors import NotAllowed
 from ..shm.slots import SlotMap
@@ -24,6 +24,9 @@ from ..shm.stats import StatsBlock
 from .sync import SyncLink
 
 STOP_GRACE_S = 5.0  # a replaced agent that ignores SIGTERM this long is killed
+QUICK_DEATH_S = 10.0  # an agent that dies sooner than this after its start is restarted after a back-off
+RESPAWN_FIRST_S = 0.25  # ... doubling per quick death, up to
+RESPAWN_MAX_S = 4.0
 
 
 class AgentProcess:
@@ -45,9 +48,14 @@ class AgentProcess:
         self.old: Any = None
         self.old_at = 0.0
         self.restarts = 0
+        self.started_at = 0.0
+        self.quick_deaths = 0
+        self.respawn_at = 0.0
+        """When to start the next agent after one died (0: none pending)."""
 
     def spawn(self) -> None:
         """Start an agent for the membership in force."""
+        self.respawn_at = 0.0
         cfg = self._cfg()
         me = cfg.servers[self.area]
         try:
@@ -72,6 +80,7 @@ class AgentProcess:
         self.proc = self._mp.Process(target=agent_main, args=(params,), daemon=True,
                                      name=f"kvstore-sync-{cfg.name}")
         self.proc.start()
+        self.started_at = time.monotonic()
 
     def replace(self) -> None:
         """Ask the agent to stop; ``check`` (polled) spawns its successor once it is gone."""
@@ -87,13 +96,25 @@ class AgentProcess:
         self._finish_stop()
 
     def check(self) -> None:
-        """Restart an agent that died; finish replacing one."""
+        """Restart an agent that died (after a back-off when it keeps dying at start); finish
+        replacing one."""
+        now = time.monotonic()
         if self.proc is not None and not self.proc.is_alive() and not self._stopping():
-            self.log.warning("sync agent lost; restarting", pid=self.proc.pid, code=self.proc.exitcode)
+            self.quick_deaths = self.quick_deaths + 1 if now - self.started_at < QUICK_DEATH_S else 0
+            delay = min(RESPAWN_MAX_S, RESPAWN_FIRST_S * 2 ** (self.quick_deaths - 1)) if self.quick_deaths else 0.0
+            if self.proc.exitcode == EXIT_ADDRESS_IN_USE:
+                self.log.warning("sync agent could not bind the sync address (in use); restarting",
+                                 pid=self.proc.pid, in_s=delay, hint=ADDRESS_IN_USE_HINT)
+            else:
+                self.log.warning("sync agent lost; restarting", pid=self.proc.pid, code=self.proc.exitcode,
+                                 in_s=delay)
             self.proc.join(0)
             self.proc = None
             self.restarts += 1
             self.stats.set("sync_restarts", self.restarts)
+            self.respawn_at = now + delay
+        if self.respawn_at and now >= self.respawn_at and self.proc is None and self.old is None \
+                and not self._stopping():
             self.spawn()
         self._finish_stop()
 

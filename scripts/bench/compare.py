@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,15 +55,10 @@ sys.path.insert(0, str(REPO))
 
 from kvstore._units import parse_size  # noqa: E402
 from kvstore.config import ServiceConfig  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore.testing import ServiceProcess, free_port, make_store  # noqa: E402
 
 WORKER = str(REPO / "scripts" / "bench" / "peers" / "worker.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def hwm_kib(pids: list[int]) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvstore import KVCacheClient
-from kvstore.testing import make_store, wait_for
+from kvstore.testing import free_port, make_store, wait_for
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.integration]
 
@@ -45,11 +44,6 @@ def adapter_json(store: str, home: Path) -> str:
     return json.dumps({"type": "plugin", "module_path": "kvstore.engines.lmcache", "class_name": "KVStoreL2Adapter",
                        "adapter_params": {"store": store, "mass_home": str(home)}})
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_lmcache_l2_bench_verifies_bytes_through_the_plugin(home: Path, file_devices: Any, services: Any) -> None:

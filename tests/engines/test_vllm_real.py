@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -25,7 +24,7 @@ import pytest
 from kvstore.shm.segment import Segment
 from kvstore.shm.stats import StatsBlock
 from kvstore.storage.device import read_superblock
-from kvstore.testing import ServiceProcess, free_port_pair, make_store, make_tiny_llama, wait_for
+from kvstore.testing import ServiceProcess, free_port, free_port_pair, make_store, make_tiny_llama, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -179,9 +178,7 @@ def test_a_service_killed_mid_run_still_gives_complete_answers(cluster: Cluster)
 
 def test_openai_server_answers_with_the_connector(cluster: Cluster) -> None:
     """The README's server command, on 127.0.0.1, answers a completion request."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     kvcfg = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.engines.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
              "kv_connector_extra_config": {"store": "v", "server": "b", "page_tokens": PAGE_TOKENS}}

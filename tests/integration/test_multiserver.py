@@ -135,6 +135,37 @@ def test_killed_sync_agent_is_restarted(home: Path, file_devices: Any, services:
     assert wait_for(lambda: visible(home, "b", keys_of("after-kill", 20)) == 20)
 
 
+def test_sync_address_held_by_another_socket_is_reported_and_taken_once_free(home: Path, file_devices: Any,
+                                                                           services: Any) -> None:
+    """What an outgoing connection whose local port is the sync port does (the agent cannot bind):
+    the service says so in words, serves its own pages on, and syncs once the port is free."""
+    import socket
+
+    from kvstore.tui.source import LiveSource
+
+    make_cluster(home, file_devices, ["a", "b"])
+    port = int(load_store("m", home).servers[1].sync.rsplit(":", 1)[1])
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port + 1))  # b's anti-entropy ROUTER port
+    holder.listen()
+    try:
+        services(home, "m", "a")
+        sb = services(home, "m", "b")
+        src = LiveSource("m", home)
+        assert wait_for(lambda: any(w["event"] == "sync agent could not bind the sync address (in use); restarting"
+                                    for w in src.snapshot()["b"]["warnings"]))
+        assert "Traceback" not in sb.log.read_text()
+        assert put_pages(home, "b", keys_of("b-alone", 10)).stored == 10
+        assert read_all(home, "b", keys_of("b-alone", 10)) == (10, 0, 0)
+        assert put_pages(home, "a", keys_of("held", 20)).stored == 20
+        assert visible(home, "b", keys_of("held", 20)) == 0
+    finally:
+        holder.close()
+    assert wait_for(lambda: visible(home, "b", keys_of("held", 20)) == 20)
+    assert wait_for(lambda: visible(home, "a", keys_of("b-alone", 10)) == 10)
+    assert read_all(home, "b", keys_of("held", 20)) == (20, 0, 0)
+
+
 def _rogue_sub(endpoint: str, server_key: bytes, public: bytes, secret: bytes) -> tuple[zmq.Context[Any], Any]:
     ctx: zmq.Context[Any] = zmq.Context()
     s = ctx.socket(zmq.SUB)
