@@ -34,7 +34,7 @@ import numpy as np
 from .config import check_name, mass_home, run_dir, store_path
 from .errors import (ClosedError, KVStoreError, NotAllowed, QuotaExceeded, ServiceLost, StoreNotFound, Timeout,
                      ViewsInUse, WouldBlock)
-from .digests import check_keys, key_digests
+from .digests import check_keys, key_digests, pack_keys
 from .service import protocol as P
 from .ioworkers.aio import FFI, LIB
 from .ioworkers.protocol import ST_OK
@@ -532,7 +532,7 @@ class KVCacheClient:
             TypeError: a key is not ``bytes``.
             Timeout, ServiceLost: the service did not answer.
         """
-        found: list[bool] = self._lookup(keys, timeout)[1].tolist()
+        found: list[bool] = self._lookup(keys, timeout, prefix=False)[1].tolist()
         return found
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
@@ -542,27 +542,31 @@ class KVCacheClient:
             TypeError: a key is not ``bytes``.
             Timeout, ServiceLost: the service did not answer.
         """
-        return self._lookup(keys, timeout)[0]
+        return self._lookup(keys, timeout, prefix=True)[0]
 
-    def _lookup(self, keys: Sequence[bytes], timeout: float | None) -> tuple[int, np.ndarray[Any, Any]]:
+    def _lookup(self, keys: Sequence[bytes], timeout: float | None, *, prefix: bool
+                ) -> tuple[int, np.ndarray[Any, Any]]:
+        """The leading hits and, unless ``prefix``, which keys hit (with ``prefix`` the mask is
+        meaningful only up to the first miss: the keys after it need not be looked at)."""
         with self._lock:
             self._check_open()
             self._check_service()
             if not isinstance(keys, (list, tuple)):
                 keys = list(keys)  # any iterable, as elsewhere
-            ids, words = key_digests(keys, self._salt)  # checks the keys (TypeError, ValueError)
-            assert words is not None
+            blob, lens = pack_keys(keys)  # checks the keys (TypeError, ValueError)
             # answered here from the shared index, no round trip (it is a hint either way: a
             # get validates what it reads); only a lookup that keeps overlapping an index
             # rebuild asks the service
-            gids = self._index.lookup(words)
-            if gids is not None:
+            found = self._index.lookup_keys(blob, lens, self._salt, prefix=prefix)
+            if found is not None:
+                gids, done = found
                 hit = gids >= 0
                 c = self._chan.counters
                 c[P.C_LOOKUPS] += 1
-                c[P.C_LOOKUP_KEYS] += len(hit)
-                return int(np.argmin(hit)) if not hit.all() else len(hit), hit
-            return self._lookup_service(ids, timeout)
+                c[P.C_LOOKUP_KEYS] += len(hit)  # keys asked about (a prefix lookup may look at fewer)
+                lead = hit[:done]
+                return int(np.argmin(lead)) if not lead.all() else done, hit
+            return self._lookup_service(key_digests(keys)[0], timeout)
 
     def _lookup_service(self, ids: np.ndarray[Any, Any], timeout: float | None) -> tuple[int, np.ndarray[Any, Any]]:
         """Lookup through the service (caller holds the lock)."""

@@ -37,6 +37,12 @@ def check_keys(keys: Sequence[Any]) -> list[bytes]:
     return _keypack.check(keys)
 
 
+def pack_keys(keys: Sequence[Any]) -> tuple[bytes, bytes]:
+    """``keys`` checked (as ``check_keys``) and concatenated, with their lengths as u64: the input of
+    the compiled digest passes (``IndexReader.lookup_keys`` takes it as it is)."""
+    return _keypack.pack(keys)
+
+
 def key_digests(keys: Sequence[bytes], salt: bytes | None = None) -> tuple[np.ndarray[Any, Any],
                                                                            np.ndarray[Any, Any] | None]:
     """Key ids of ``keys`` (``n x 32`` uint8) and, given the tenant ``salt``, their digests
@@ -45,7 +51,7 @@ def key_digests(keys: Sequence[bytes], salt: bytes | None = None) -> tuple[np.nd
     ids = np.empty((n, DIGEST_BYTES), dtype=np.uint8)
     words = np.empty((n, 4), dtype="<u8") if salt is not None else None
     if n:
-        blob, lens = _keypack.pack(keys)  # checked, concatenated, lengths as u64: one C pass
+        blob, lens = pack_keys(keys)  # checked, concatenated, lengths as u64: one C pass
         LIB.kv_key_digests(_u8(blob), FFI.from_buffer("uint64_t[]", lens), n,
                            _u8(salt) if salt is not None else FFI.NULL, len(salt) if salt is not None else 0,
                            _u8(ids), _u8(words) if words is not None else FFI.NULL)

@@ -51,6 +51,10 @@ void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const 
 void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t saltlen, uint8_t *out);
 int64_t kv_index_lookup(const uint64_t *seq, const void *entries, uint64_t capacity, const void *slots,
                         uint64_t nslots, const uint64_t *words, int64_t n, int64_t *out, uint8_t *ref);
+int64_t kv_lookup_keys(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
+                       size_t saltlen, const uint64_t *seq, const void *entries, uint64_t capacity,
+                       const void *slots, uint64_t nslots, int stop_at_miss, uint8_t *ids_out,
+                       uint64_t *words_out, int64_t *out, uint8_t *ref, int64_t *done);
 int64_t kv_index_fill(void *entries, uint64_t capacity, const void *slots, uint64_t nslots);
 int64_t kv_index_insert(void *entries, uint64_t capacity, const void *slots, uint64_t nslots,
                         const uint64_t *d0s, const int64_t *gids, int64_t n);

@@ -259,3 +259,30 @@ class IndexReader:
             time.sleep(pause)  # a rebuild takes milliseconds at 10^6 slots: back off, then look again
             pause *= 4
         return None
+
+    def lookup_keys(self, blob: bytes, lens: bytes, salt: bytes, *, prefix: bool = False
+                    ) -> tuple[np.ndarray[Any, Any], int] | None:
+        """Digest (with the tenant's ``salt``) and look up keys packed by ``_keypack.pack``, in one
+        compiled pass that hides the index's memory latency behind the hashing.
+
+        Returns the slot ids found (``-1``: miss) and how many keys were looked up: all of them,
+        or with ``prefix`` only as far as needed to find the first miss (the slot ids after that
+        are not meaningful); None where every try overlapped a rebuild of the table (ask the
+        writer instead).
+        """
+        n = len(lens) // 8
+        scratch = np.empty(64 * n, dtype=np.uint8)  # the n key ids (32 bytes each), then their salted digests
+        out = np.empty(n, dtype=np.int64)
+        done = FFI.new("int64_t *")
+        base = scratch.ctypes.data
+        args = (FFI.from_buffer("uint8_t[]", blob), FFI.from_buffer("uint64_t[]", lens), n,
+                FFI.from_buffer("uint8_t[]", salt), len(salt), self._seq, self._entries, self._capacity,
+                self._slots, self._nslots, int(prefix), FFI.cast("uint8_t *", base),
+                FFI.cast("uint64_t *", base + 32 * n), FFI.cast("int64_t *", out.ctypes.data), self._ref, done)
+        pause = 20e-6
+        for _ in range(READ_TRIES):
+            if LIB.kv_lookup_keys(*args) >= 0:
+                return out, int(done[0])
+            time.sleep(pause)
+            pause *= 4
+        return None

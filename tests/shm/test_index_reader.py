@@ -7,11 +7,13 @@ import mmap
 import os
 import signal
 import time
+from typing import Any
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.digests import key_digests, pack_keys
 from kvstore.shm.control import ControlLayout
 from kvstore.shm.index import IndexReader, KeyIndex
 from kvstore.shm.slots import RETIRED, VALID
@@ -52,12 +54,96 @@ def test_reader_agrees_with_the_writer(ops: list[tuple[str, int]], collide: bool
     assert lay.index_seq(buf)[0] == 2 * ix.rebuilds  # even: no rebuild in progress
 
 
+SALT = b"tenant salt 0123"
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=300), min_size=0, max_size=150, unique=True),
+       st.lists(st.booleans(), min_size=150, max_size=150))
+def test_one_pass_lookup_of_keys_agrees_with_digests_then_lookup(keys: list[bytes], stored: list[bool]) -> None:
+    """``lookup_keys`` (hashing and probing in one pipelined pass) against the two steps it fuses,
+    for keys of every length (one block, several blocks), batches that are not whole groups, and
+    the prefix mode that stops after the first miss."""
+    n_slots = max(len(keys), 1)
+    lay = ControlLayout.of(n_slots, 4, 1)
+    buf = bytearray(lay.nbytes)
+    slots = lay.slot_table(buf)
+    ix = KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf))
+    _, words = key_digests(keys, SALT)
+    assert words is not None
+    gid = 0
+    for k in range(len(keys)):
+        if stored[k]:
+            _fill(slots, gid, words[k])
+            ix.insert(words[k], gid)
+            gid += 1
+    reader = IndexReader(lay.index_seq(buf), lay.index_entries(buf), slots)
+    want = reader.lookup(words)
+    assert want is not None
+    blob, lens = pack_keys(keys)
+    got = reader.lookup_keys(blob, lens, SALT)
+    assert got is not None
+    assert got[1] == len(keys) and np.array_equal(got[0], want)
+    first_miss = int(np.argmin(want >= 0)) if not (want >= 0).all() else len(keys)
+    got = reader.lookup_keys(blob, lens, SALT, prefix=True)
+    assert got is not None
+    out, done = got
+    assert min(first_miss + 1, len(keys)) <= done <= len(keys)
+    assert np.array_equal(out[:done], want[:done])
+    # another tenant's salt finds none of them
+    other = reader.lookup_keys(blob, lens, b"another salt")
+    assert other is not None and (other[0] < 0).all()
+
+
 def _rebuild_forever(buf: mmap.mmap, lay: ControlLayout) -> None:
     slots = lay.slot_table(buf)
     ix = KeyIndex(lay.index_entries(buf), slots, init=False, seq=lay.index_seq(buf))
     while True:
         ix.rebuild()
         time.sleep(0.002)  # rebuilds back to back would starve every reader (they are rare in a service)
+
+
+def test_rebuild_in_another_process_never_shows_as_a_miss_in_one_pass_lookups() -> None:
+    """The same adversary against the fused path (digests and probe in one call, prefetching
+    groups ahead): a present key is never reported missing."""
+    n = 20_000
+    lay = ControlLayout.of(n, 4, 1)
+    buf = mmap.mmap(-1, lay.nbytes)
+    slots = lay.slot_table(buf)
+    keys = [b"key/%d" % i for i in range(n)]
+    _, words = key_digests(keys, SALT)
+    assert words is not None
+    slots["d0"], slots["d1"], slots["d2"], slots["d3"] = words.T
+    slots["state"] = VALID
+    KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf)).rebuild()
+    reader = IndexReader(lay.index_seq(buf), lay.index_entries(buf), slots)
+    unguarded = IndexReader(np.zeros(1, "<u8"), lay.index_entries(buf), slots)  # a seq that never moves
+    blob, lens = pack_keys(keys)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            _rebuild_forever(buf, lay)
+        finally:
+            os._exit(0)
+    try:
+        seen_unguarded_miss = False
+        answered = gave_up = 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (seen_unguarded_miss and answered >= 20):
+            got = reader.lookup_keys(blob, lens, SALT, prefix=answered % 2 == 1)
+            if got is None:
+                gave_up += 1
+            else:
+                answered += 1
+                assert got[1] == n and (got[0] >= 0).all(), f"{int((got[0] < 0).sum())} present keys reported missing"
+            u = unguarded.lookup_keys(blob, lens, SALT)
+            assert u is not None
+            seen_unguarded_miss |= bool((u[0] < 0).any())
+        assert seen_unguarded_miss, "the rebuild never overlapped a lookup: the test proves nothing"
+        assert answered >= 20, (answered, gave_up)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_rebuild_in_another_process_never_shows_as_a_miss() -> None:
