@@ -42,6 +42,15 @@ class DeviceMismatch(KVStoreError):
     """
 
 
+class AddressUnavailable(KVStoreError):
+    """An address the service must listen on (metrics, KV events) cannot be bound here.
+
+    Another process holds it, or (a port inside ``net.ipv4.ip_local_port_range``) an outgoing
+    connection took it as its local end; the host is not one of this machine's. Give the server
+    another address (``mass-ctl kvcache connect STORE --metrics/--events HOST:PORT``).
+    """
+
+
 class ClosedError(KVStoreError):
     """The client or object was closed; open a new one."""
 

@@ -31,11 +31,13 @@ reaped by polling.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +45,10 @@ import multiprocess
 import numpy as np
 import posix_ipc
 import structlog
+import zmq
 
 from ..config import StoreConfig, mass_home, run_dir
-from ..errors import AlreadyRunning, KVStoreError
+from ..errors import AddressUnavailable, AlreadyRunning, KVStoreError
 from ..logging import recent_warnings
 from ..ioworkers.protocol import REQUEST_RING, WorkerRings
 from ..crdt.log import SyncRings
@@ -253,13 +256,15 @@ class Supervisor:
             if me.metrics:
                 from .metrics import serve_metrics
 
-                self.metrics = serve_metrics(me.metrics, self.stats, cfg.name, self.server)
+                with _binding("metrics", me.metrics, self.server):
+                    self.metrics = serve_metrics(me.metrics, self.stats, cfg.name, self.server)
             if me.events:
                 from ..engines.events import EventPublisher
 
                 host, _, port = me.events.rpartition(":")
-                self.events = EventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}",
-                                             f"kvstore:{cfg.name}")
+                with _binding("events", me.events, self.server):
+                    self.events = EventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}",
+                                                 f"kvstore:{cfg.name}")
                 self.events.add({"type": "AllBlocksCleared"})
                 self._emit_stored(np.nonzero(self.slots["state"] == VALID)[0])
             self.clients = Clients(
@@ -570,6 +575,19 @@ class Supervisor:
             os.close(self._lock_fd)
             self._lock_fd = None
         self.log.info("service stopped")
+
+
+@contextlib.contextmanager
+def _binding(what: str, address: str, server: str) -> Iterator[None]:
+    """Turn a failed bind of a listening address into one clear error (not a traceback)."""
+    try:
+        yield
+    except (OSError, zmq.ZMQError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise AddressUnavailable(
+            f"server {server}: {what} address {address} cannot be bound: {reason} (another process holds it, "
+            "an outgoing connection took it when it lies in net.ipv4.ip_local_port_range, or the host is "
+            f"not this machine's); give another with 'mass-ctl kvcache connect STORE --{what} HOST:PORT'") from e
 
 
 def serve(cfg: StoreConfig, server: str, home: Path | None = None) -> None:

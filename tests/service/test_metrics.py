@@ -62,3 +62,47 @@ def test_every_metric_is_documented() -> None:
     for table, suffix in ((COUNTERS, "_total"), (DEVICE_COUNTERS, "_total"), (GAUGES, ""), (DEVICE_GAUGES, "")):
         for name, _ in table.values():
             assert f"`kvstore_{name}{suffix}`" in doc, name
+
+
+@pytest.mark.parametrize("what", ["metrics", "events"])
+def test_an_address_held_by_another_socket_fails_the_start_in_one_line(home: Path, file_devices: Any,
+                                                                        what: str) -> None:
+    """A listening address another socket holds: the service does not start, says which address
+    and what to do in one line (no traceback), and leaves no process or shm behind."""
+    import socket
+
+    from kvstore.errors import KVStoreError
+    from kvstore.testing import ServiceProcess
+
+    port = free_port_pair()
+    (dev,) = file_devices.make(1, (1 << 20) + 64 * (4096 + PS))
+    make_store(home, "m", [dev], PS, **{what: {"local": f"127.0.0.1:{port}"}})
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        svc = ServiceProcess(home, "m")
+        with pytest.raises(KVStoreError) as e:
+            svc.start()
+    log = svc.log.read_text()
+    assert f"mass-ctl: error: server local: {what} address 127.0.0.1:{port} cannot be bound: Address already in use" \
+        in log and f"--{what} HOST:PORT" in log, str(e.value)[-2000:]
+    assert "Traceback" not in log
+    assert svc.proc.returncode not in (None, 0)
+    assert not svc.leftovers()
+    assert wait_for(lambda: not _processes_of(home)), _processes_of(home)  # its workers went with it
+
+
+def _processes_of(home: Path) -> list[int]:
+    """Live (not zombie) processes started with MASS_HOME=home (a service and what it spawned)."""
+    mark = f"MASS_HOME={home.resolve()}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if mark in (d / "environ").read_bytes().split(b"\0") and \
+                    (d / "stat").read_text().split(")")[-1].split()[0] != "Z":
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
