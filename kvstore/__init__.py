@@ -11,6 +11,7 @@ from .config import ServerConfig as ServerConfig
 from .config import ServiceConfig as ServiceConfig
 from .config import StoreConfig as StoreConfig
 from .config import WorkerConfig as WorkerConfig
+from .errors import AddressUnavailable as AddressUnavailable
 from .errors import AlreadyRunning as AlreadyRunning
 from .errors import ClosedError as ClosedError
 from .errors import CorruptPage as CorruptPage
@@ -26,7 +27,7 @@ from .errors import WorkerLost as WorkerLost
 from .errors import WouldBlock as WouldBlock
 
 __all__ = [
-    "AlreadyRunning", "ClosedError", "CorruptPage", "DeviceMismatch", "KVCacheClient", "KVStoreError",
+    "AddressUnavailable", "AlreadyRunning", "ClosedError", "CorruptPage", "DeviceMismatch", "KVCacheClient", "KVStoreError",
     "NotAllowed", "PageBatch", "PageReservation", "PutResult", "QuotaExceeded", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
     "StoreNotFound", "Timeout", "ViewsInUse", "WorkerConfig", "WorkerLost", "WouldBlock",
 ]
