@@ -263,16 +263,16 @@ class IndexReader:
     def lookup_keys(self, blob: bytes, lens: bytes, salt: bytes, *, prefix: bool = False
                     ) -> tuple[np.ndarray[Any, Any], int] | None:
         """Digest (with the tenant's ``salt``) and look up keys packed by ``_keypack.pack``, in one
-        compiled pass that hides the index's memory latency behind the hashing.
+        compiled call (``kv_lookup_keys``).
 
         Returns the slot ids found (``-1``: miss) and how many keys were looked up: all of them,
-        or with ``prefix`` only as far as needed to find the first miss (the slot ids after that
-        are not meaningful); None where every try overlapped a rebuild of the table (ask the
+        or with ``prefix`` only as far as needed to find the first miss (the keys after that read
+        as misses); None where every try overlapped a rebuild of the table (ask the
         writer instead).
         """
         n = len(lens) // 8
         scratch = np.empty(64 * n, dtype=np.uint8)  # the n key ids (32 bytes each), then their salted digests
-        out = np.empty(n, dtype=np.int64)
+        out = np.full(n, -1, dtype=np.int64)  # what a prefix lookup does not reach stays a miss
         done = FFI.new("int64_t *")
         base = scratch.ctypes.data
         args = (FFI.from_buffer("uint8_t[]", blob), FFI.from_buffer("uint64_t[]", lens), n,
@@ -283,6 +283,7 @@ class IndexReader:
         for _ in range(READ_TRIES):
             if LIB.kv_lookup_keys(*args) >= 0:
                 return out, int(done[0])
+            out.fill(-1)
             time.sleep(pause)
             pause *= 4
         return None
