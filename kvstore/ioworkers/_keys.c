@@ -224,19 +224,31 @@ static void b2b_salt(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t 
     b2b_salt_from(keyed, ids, n, out);
 }
 
+#define KV_DIGEST_CHUNK 256  /* keys whose start offsets are worked out at once */
+
+/* Digests of keys b .. b+m-1 (m <= KV_DIGEST_CHUNK) of a packed batch, the first of them at byte *at
+   of blob (advanced past them): their ids, and their salted digests when keyed (the state after
+   the salt) is not NULL. */
+static void kv_digest_chunk(const uint64_t plain[8], const uint64_t *keyed, const uint8_t *blob,
+                            const uint64_t *lens, int64_t b, int64_t m, uint64_t *at, uint8_t *ids_out,
+                            uint8_t *salted_out) {
+    uint64_t starts[KV_DIGEST_CHUNK];
+    for (int64_t j = 0; j < m; j++) { starts[j] = *at; *at += lens[b + j]; }
+    b2b_256_batch(plain, 0, blob, starts, lens + b, m, ids_out + 32 * b);
+    if (keyed) b2b_salt_from(keyed, ids_out + 32 * b, m, salted_out + 32 * b);
+}
+
 /* Client key ids of n keys concatenated in blob, key i of lens[i] bytes: ids_out[i] =
    BLAKE2b-256(key i). If salt is not NULL also salted_out[i] = BLAKE2b-256(key=salt; ids_out[i]),
    the service's digest of the key in the tenant's key space. */
 void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
                     size_t saltlen, uint8_t *ids_out, uint8_t *salted_out) {
-    uint64_t plain[8], starts[256], at = 0;
+    uint64_t plain[8], keyed[8], at = 0;
     b2b_256_unkeyed_init(plain);
-    for (int64_t done = 0; done < n; done += 256) {
-        int64_t m = n - done < 256 ? n - done : 256;
-        for (int64_t i = 0; i < m; i++) { starts[i] = at; at += lens[done + i]; }
-        b2b_256_batch(plain, 0, blob, starts, lens + done, m, ids_out + 32 * done);
-    }
-    if (salt) b2b_salt(ids_out, n, salt, saltlen, salted_out);
+    if (salt) b2b_256_keyed_init(keyed, salt, saltlen);
+    for (int64_t b = 0; b < n; b += KV_DIGEST_CHUNK)
+        kv_digest_chunk(plain, salt ? keyed : NULL, blob, lens, b, n - b < KV_DIGEST_CHUNK ? n - b : KV_DIGEST_CHUNK,
+                        &at, ids_out, salted_out);
 }
 
 /* The service's digests of n client key ids (32 bytes each): out[i] = BLAKE2b-256(key=salt; ids[i]). */
@@ -260,6 +272,7 @@ struct kv_slot { uint64_t gen, d[4]; uint32_t length; uint8_t state, pad[3]; };
 
 #define KV_GROUP 32  /* keys whose memory is fetched together in a lookup */
 #define KV_CHUNK 64  /* keys a client's lookup hashes before it probes them (kv_lookup_keys) */
+_Static_assert(KV_CHUNK <= KV_DIGEST_CHUNK, "a lookup chunk is digested by kv_digest_chunk");
 
 
 static inline uint64_t kv_home(uint64_t d0, uint64_t capacity) { return ((d0 >> 32) * capacity) >> 32; }
@@ -380,7 +393,7 @@ int64_t kv_lookup_keys(const uint8_t *blob, const uint64_t *lens, int64_t n, con
                        size_t saltlen, const uint64_t *seq, const uint64_t *e, uint64_t capacity,
                        const struct kv_slot *slots, uint64_t nslots, int stop_at_miss, uint8_t *ids_out,
                        uint64_t *words_out, int64_t *out, uint8_t *ref, int64_t *done) {
-    uint64_t plain[8], keyed[8], starts[KV_CHUNK], at = 0;
+    uint64_t plain[8], keyed[8], at = 0;
     int64_t hits = 0, b = 0;
     *done = 0;
     uint64_t begun = kv_read_begin(seq);
@@ -389,9 +402,7 @@ int64_t kv_lookup_keys(const uint8_t *blob, const uint64_t *lens, int64_t n, con
     b2b_256_keyed_init(keyed, salt, saltlen);
     while (b < n) {
         int64_t m = n - b < KV_CHUNK ? n - b : KV_CHUNK, h;
-        for (int64_t j = 0; j < m; j++) { starts[j] = at; at += lens[b + j]; }
-        b2b_256_batch(plain, 0, blob, starts, lens + b, m, ids_out + 32 * b);
-        b2b_salt_from(keyed, ids_out + 32 * b, m, (uint8_t *)(words_out + 4 * b));
+        kv_digest_chunk(plain, keyed, blob, lens, b, m, &at, ids_out, (uint8_t *)words_out);
         h = kv_lookup_words(e, capacity, slots, nslots, words_out + 4 * b, m, out + b, ref);
         hits += h;
         b += m;
