@@ -122,7 +122,11 @@ def test_rebuild_in_another_process_never_shows_as_a_miss(one_pass: bool) -> Non
     KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf)).rebuild()
     reader = IndexReader(lay.index_seq(buf), lay.index_entries(buf), slots)
     unguarded = IndexReader(np.zeros(1, "<u8"), lay.index_entries(buf), slots)  # a seq that never moves
-    blob, lens = pack_keys(keys)
+    # the one-pass path hashes what it looks up: a fifth of the keys keeps a lookup about as long
+    # as the other path's probe of all of them (a lookup of all 20,000, ~1.5 ms, overlaps most of
+    # the adversary's rebuilds, which come every ~2 ms, and gives up too often to answer 20 times)
+    asked = n // 5
+    blob, lens = pack_keys(keys[:asked])
 
     def look(r: IndexReader, prefix: bool) -> np.ndarray | None:
         if not one_pass:
@@ -130,7 +134,7 @@ def test_rebuild_in_another_process_never_shows_as_a_miss(one_pass: bool) -> Non
         got = r.lookup_keys(blob, lens, SALT, prefix=prefix)
         if got is None:
             return None
-        assert got[1] == n  # every key present: a prefix lookup goes to the end too
+        assert got[1] == asked  # every key present: a prefix lookup goes to the end too
         return got[0]
 
     pid = os.fork()
