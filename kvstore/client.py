@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -686,22 +686,17 @@ class KVCacheClient:
             seqs = recs["seq"].tolist()
             for dv in np.unique(dev).tolist():
                 on = np.nonzero(dev == dv)[0]
-                try:
-                    ch.direct[dv].put_many(recs[on])
-                    taken = on.tolist()
-                except WouldBlock:  # stale records fill the ring (its worker is not taking them)
-                    taken = []
-                    for j in on.tolist():
-                        try:
-                            ch.direct[dv].put_nowait(recs[j])
-                            taken.append(j)
-                        except WouldBlock:
-                            b = int(lbs[j])
-                            self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT)
-                            ch.pins[b] = -1
-                posted += [(int(rows[j]), int(lbs[j]), seqs[j]) for j in taken]
+                # as many as the ring has room for (only its worker frees room, so put_many cannot
+                # fail); the rest fill no ring: stale records do (its worker is not taking them)
+                taken = on[:max(0, ch.direct[dv].free())].tolist()
                 if taken:
+                    ch.direct[dv].put_many(recs[taken])
                     self._wakes[dv].release()
+                for j in on[len(taken):].tolist():
+                    b = int(lbs[j])
+                    self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT)
+                    ch.pins[b] = -1
+                posted += [(int(rows[j]), int(lbs[j]), seqs[j]) for j in taken]
         good = [False] * n
         waiting = list(posted)
         # a read of one or two pages is over in a few hundred microseconds: poll for it (yielding
@@ -833,7 +828,8 @@ class KVCacheClient:
             finally:
                 self._give_back(bufs[taken:])
 
-    def _put_stream(self, ids: np.ndarray[Any, Any], fill: Any, wait: bool, deadline: float) -> list[int]:
+    def _put_stream(self, ids: np.ndarray[Any, Any], fill: Callable[[int, int], tuple[list[int], list[int]]],
+                    wait: bool, deadline: float) -> list[int]:
         """Put the pages of key ids ``ids`` in sub-batches of a quarter lease: ``fill(start, n)``
         returns the buffers of pages ``start..start+n`` and their checksums. While the service
         writes one sub-batch the next is being filled (a whole-lease batch would wait for every

@@ -57,6 +57,43 @@ def test_get_needs_no_supervisor(file_devices: Any, home: Path, services: Any) -
         assert c.free_buffers() == 32
 
 
+def test_direct_ring_full_of_stale_reads_gives_misses_then_recovers(file_devices: Any, home: Path,
+                                                                      services: Any) -> None:
+    """A stopped worker leaves the reads of timed-out gets in its ring; once the ring is full, a
+    get posts nothing there and answers misses at once (never a wait, never wrong bytes); when
+    the worker runs again every page reads back and every buffer comes back."""
+    from kvstore.errors import Timeout
+
+    make_store(home, "full", file_devices.make(1, dev_size(48)), PS, service=ServiceConfig(client_buffers=16))
+    svc = services(home, "full")
+    keys = keys_of("F", 16)
+    with KVCacheClient.connect("full", home=home, timeout=10) as c:
+        assert c.put(keys, [page_bytes(k, PS) for k in keys], wait=True).stored == 16
+        worker = svc.worker_pids()[0]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            for _ in range(2):  # 8 + 8 reads left in the ring of 16
+                with pytest.raises(Timeout):
+                    c.get(keys[:8], timeout=0.3)
+            for _ in range(3):
+                t0 = time.monotonic()
+                with c.get(keys[:8], timeout=5) as got:
+                    assert check_batch(keys[:8], got) == (0, 8, 0)
+                assert time.monotonic() - t0 < 2  # not left to its timeout
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        # once the worker has taken the stale reads the ring has room again: every page reads back
+
+        def all_read() -> bool:
+            with c.get(keys) as got:
+                hits, _, wrong = check_batch(keys, got)
+            assert wrong == 0
+            return hits == 16
+
+        assert wait_for(all_read)
+        assert wait_for(lambda: c.free_buffers() == 16)
+
+
 def _reader(home: str, stop: Any, newest: Any, out: Any, seed: int) -> None:
     """Reads recently written keys (the ones being evicted and rewritten) and checks every byte:
     batches of 1, 2 (gets that poll for their answer) or 16 keys (gets that sleep), by seed."""
