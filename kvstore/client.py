@@ -259,26 +259,32 @@ class KVCacheClient:
         self._service_pid: int = hello["service_pid"]
         self._seg = Segment.attach(hello["segment"])
         self._arena_seg = Segment.attach(hello["arena"])
-        self._control_seg = Segment.attach(hello["control"])
-        self._arena = A.Arena(self._arena_seg.buf, self._control_seg.buf, hello["states_offset"],
+        self._control_seg = Segment.attach(hello["control"], readonly=True)  # the service's word: read only
+        if A.Arena.nbytes(hello["arena_count"], self.page_size) > self._arena_seg.size:
+            raise KVStoreError("the service's shared-memory layout is not this client's "
+                               "(client and service of different kvstore versions?)")
+        self._arena = A.Arena(self._arena_seg.buf, self._arena_seg.buf, hello["states_offset"],
                               hello["arena_count"], self.page_size)
         self._chan = P.ClientChannel(self._seg.buf, self.max_batch, len(hello["areas"]))
         self._sem = attach_semaphore(hello["sem"])
         self._doorbell = attach_semaphore(hello["doorbell"])
         self._lease = range(hello["lease_start"], hello["lease_start"] + hello["lease_count"])
-        self._lease_states = np.frombuffer(self._control_seg.buf, dtype="<u4", count=hello["lease_count"],
+        self._lease_states = np.frombuffer(self._arena_seg.buf, dtype="<u4", count=hello["lease_count"],
                                            offset=hello["states_offset"] + 4 * hello["lease_start"])
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
         self._salt: bytes = hello["salt"]
-        lay = ControlLayout.of(hello["slots"], hello["arena_count"], hello["max_clients"])
-        if lay.states_offset != hello["states_offset"] or lay.nbytes > self._control_seg.size:
+        lay = ControlLayout.of(hello["slots"])
+        if (hello["states_offset"] != A.Arena.states_offset(hello["arena_count"], self.page_size)
+                or lay.nbytes > self._control_seg.size):
             raise KVStoreError("the service's shared-memory layout is not this client's "
                                "(client and service of different kvstore versions?)")
         cb = self._control_seg.buf
         self._slots = lay.slot_table(cb)
-        self._index = IndexReader(lay.index_seq(cb), lay.index_entries(cb), self._slots, lay.ref_bits(cb))
+        # no reference bits: the workers set them for the pages a client reads (a client writes
+        # nothing of the service's)
+        self._index = IndexReader(lay.index_seq(cb), lay.index_entries(cb), self._slots)
         self._smap = SlotMap(hello["areas"])  # where each slot is, for direct reads
         self._direct_state = A.tagged(A.DIRECT, hello["generation"])
         self._wakes = [attach_semaphore(name) for name in hello["workers"]]
@@ -611,7 +617,7 @@ class KVCacheClient:
             gids = self._index.lookup(words)
             if gids is None:  # the index kept being rebuilt under us: the service reads instead
                 return self._get_service(ids, deadline)
-            return self._get_direct(words, gids, deadline, t0)
+            return self._get_direct(ids, words, gids, deadline, t0)
 
     def _views(self, bufs: list[int], ok: Sequence[bool]) -> PageBatch:
         """The batch over ``bufs`` whose reads succeeded (``ok``); the other buffers go back."""
@@ -642,12 +648,14 @@ class KVCacheClient:
         _, res = self._call(d, P.OP_GET, n, 0, deadline, bufs)
         return self._views(bufs, (res == P.R_HIT).tolist())
 
-    def _get_direct(self, words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], deadline: float,
-                    t0: float) -> PageBatch:
+    def _get_direct(self, ids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any],
+                    deadline: float, t0: float) -> PageBatch:
         """A get without the supervisor: pin the slots found, post the reads straight to the device
         workers' rings in our segment, wait for the workers' answers (caller holds the lock).
-        The protocol is in service/protocol.py; the workers validate every page exactly as
-        for the supervisor's reads."""
+        The protocol is in service/protocol.py. A record names the slot, the generation found
+        and the key id; the worker reads only if the key id, salted with this connection's
+        tenant salt, is the digest the service's register holds, and validates the page
+        against that register, as for the supervisor's reads."""
         n = len(words)
         ch = self._chan
         bufs = self._alloc(n, deadline)
@@ -664,12 +672,13 @@ class KVCacheClient:
         s = self._slots[g]
         LIB.kv_fence()
         w = words[hit]
+        kid = ids[hit]
         ok = ((s["state"] == VALID) & (s["d0"] == w[:, 0]) & (s["d1"] == w[:, 1]) & (s["d2"] == w[:, 2])
               & (s["d3"] == w[:, 3]) & (s["gen"] == gen) & (self._slots["gen"][g] == gen))
         ch.pins[lb[~ok]] = -1  # changed since the index said so: a miss
         posted: list[tuple[int, int, int]] = []  # (row, lease buffer, seq)
         if ok.any():
-            rows, lbs, gs, wo = hit[ok], lb[ok], g[ok], w[ok]
+            rows, lbs, gs, ko = hit[ok], lb[ok], g[ok], np.ascontiguousarray(kid[ok]).view("<u8")
             dev, area, slot = self._smap.locate_many(gs)
             m = len(rows)
             recs = np.empty(m, dtype=P.DIRECT_REQ)
@@ -678,7 +687,7 @@ class KVCacheClient:
             recs["buf"], recs["area"], recs["slot"] = lbs, area, slot
             recs["payload_len"], recs["gen"] = s["length"][ok], s["gen"][ok]
             for i in range(4):
-                recs[f"d{i}"] = wo[:, i]
+                recs[f"d{i}"] = ko[:, i]  # the key id: the worker salts it itself
             ch.dseq[lbs] = recs["seq"]
             ch.ddev[lbs] = dev
             for b in lbs.tolist():

@@ -162,9 +162,14 @@ class ServiceConfig:
     checkpoint_interval_s: float = 60.0
     """Seconds between slot-table checkpoints (and one at every clean stop), which let a restart
     skip reading every slot header; 0 turns checkpoints off (every start scans the devices)."""
+    clients_per_user: int = 0
+    """Client connections one local user (uid) may hold at once; 0: ``max_clients``. Set it
+    below ``max_clients`` where several users share a service, so that one cannot take every
+    place."""
     access_group: str = ""
-    """Unix group whose members' engines may connect (socket, shared memory and run directory
-    get group read/write). Empty: only the service's own user may connect."""
+    """Unix group whose members' engines may connect (the socket and the segments a client
+    writes get group read/write, the lookup tables group read; the service's own rings stay
+    owner-only). Empty: only the service's own user may connect."""
     trust_declared_tenant: bool = False
     """Grant any tenant a client names at connect, whoever it runs as (the behaviour before
     tenants came from credentials). Only for sites where every local user is trusted: the
@@ -175,6 +180,9 @@ class ServiceConfig:
             raise ValueError(f"client_buffers must be in [1, 4096], got {self.client_buffers}")
         if not 1 <= self.max_clients <= 1024:
             raise ValueError(f"max_clients must be in [1, 1024], got {self.max_clients}")
+        if not 0 <= self.clients_per_user <= self.max_clients:
+            raise ValueError(f"clients_per_user must be in [0, max_clients={self.max_clients}], "
+                             f"got {self.clients_per_user}")
         if self.retire_grace_s < 0:
             raise ValueError(f"retire_grace_s must be >= 0, got {self.retire_grace_s}")
         if self.checkpoint_interval_s < 0:
@@ -344,9 +352,10 @@ class StoreConfig:
         """The salt of ``tenant``'s key space (see ``namespaces``); raises ``ValueError`` on a bad name."""
         if tenant:
             check_name(tenant, "tenant")
+        # the default tenant ("") is derived like any other: the store salt itself never leaves
+        # the service (a client holding it could derive every tenant's salt); tenant names are
+        # never empty, so its key space is its own
         ns = self.namespaces.get(tenant, tenant)
-        if not ns:
-            return bytes.fromhex(self.salt)
         return hashlib.blake2b(ns.encode(), digest_size=32, key=bytes.fromhex(self.salt),
                                person=b"kvstore-tenant").digest()
 

@@ -49,6 +49,7 @@ int kv_contains_i64(const int64_t *a, int64_t n, int64_t v);
 void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
                     size_t saltlen, uint8_t *ids_out, uint8_t *salted_out);
 void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t saltlen, uint8_t *out);
+void kv_b2b_keyed(uint64_t *h, const uint8_t *salt, size_t saltlen);
 int64_t kv_index_lookup(const uint64_t *seq, const void *entries, uint64_t capacity, const void *slots,
                         uint64_t nslots, const uint64_t *words, int64_t n, int64_t *out, uint8_t *ref);
 int64_t kv_lookup_keys(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,

@@ -251,6 +251,9 @@ void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const 
                         &at, ids_out, salted_out);
 }
 
+/* The BLAKE2b-256 state after absorbing ``salt`` (kv_worker: a connection's tenant, once). */
+void kv_b2b_keyed(uint64_t *h, const uint8_t *salt, size_t saltlen) { b2b_256_keyed_init(h, salt, saltlen); }
+
 /* The service's digests of n client key ids (32 bytes each): out[i] = BLAKE2b-256(key=salt; ids[i]). */
 void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t saltlen, uint8_t *out) {
     b2b_salt(ids, n, salt, saltlen, out);

@@ -35,6 +35,8 @@
 #define KV_ST_IO_ERROR 1
 #define KV_ST_BAD_HEADER 2
 #define KV_ST_BAD_CHECKSUM 3
+#define KV_ST_REFUSED 5     /* a direct-read record no honest client writes: nothing read, the client dropped */
+#define KV_ST_STALE 6       /* the slot no longer holds the page the client found: a miss, nothing read */
 #define KV_K_SUPERVISOR 0
 #define KV_K_DIRECT 1
 #define KV_A_CLIENT 1u
@@ -42,6 +44,7 @@
 #define KV_A_READING 5u
 #define KV_NBAD 16
 #define KV_WRITE_BELL 4
+#define KV_WRITE_STARVE_NS 2000000LL  /* writes that waited this long behind reads are taken anyway */
 #define KV_MAX_DEPTH 4096  /* I/O slots at most (the config allows 512): a turn's batch lives on the stack */
 
 enum { KV_D_READS, KV_D_READ_BYTES, KV_D_READ_ERRORS, KV_D_WRITES, KV_D_WRITE_BYTES, KV_D_WRITE_ERRORS,
@@ -76,6 +79,23 @@ static int kv_ring_get(struct kv_ring *r, void *rec, size_t size) {
     if (__atomic_load_n(r->tail, __ATOMIC_ACQUIRE) == head) return 0;
     memcpy(rec, r->recs + (head & r->mask) * size, size);
     __atomic_store_n(r->head, head + 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* A client's direct-read ring, read with the worker's own head: the client can write both
+   shared words, so the tail is range-checked against that head and the shared head is only
+   published for the client's room count. Returns the records waiting, or -1 when the tail is
+   impossible (more than the ring holds, or behind the head). */
+static inline int64_t kv_conn_len(const struct kv_wconn *c) {
+    uint64_t n = __atomic_load_n(c->ring.tail, __ATOMIC_ACQUIRE) - c->head;
+    return n > c->ring.mask + 1 ? -1 : (int64_t)n;
+}
+
+static int kv_conn_get(struct kv_wconn *c, void *rec, size_t size) {
+    if (kv_conn_len(c) <= 0) return 0;
+    memcpy(rec, c->ring.recs + (c->head & c->ring.mask) * size, size);
+    c->head++;
+    __atomic_store_n(c->ring.head, c->head, __ATOMIC_RELEASE);
     return 1;
 }
 
@@ -177,6 +197,21 @@ static void kv_flush_deferred(struct kv_worker *w) {
     if (w->ndeferred) w->bell = 1;  /* the supervisor must drain ``done``: keep ringing */
 }
 
+/* Tell the supervisor of a client's direct read (after the client has its answer). */
+static void kv_report_direct(struct kv_worker *w, struct kv_wconn *c, int status, int64_t res, uint64_t lat,
+                             uint64_t gen, uint32_t area, uint64_t slot) {
+    /* tag: who read (the supervisor drops a connection whose record was refused) */
+    uint64_t tag = (uint64_t)c->gen << 32 | (uint32_t)c->cid;
+    struct kv_completion rec = {tag, res, status, KV_K_DIRECT, lat, gen, (uint64_t)area << 40 | (slot & ((1ULL << 40) - 1))};
+    if (!kv_ring_put(&w->done, &rec, sizeof rec)) {
+        w->reports_dropped++;  /* the supervisor is behind: its statistics miss this read */
+    } else if (status == KV_ST_REFUSED || kv_ring_len(&w->done) > (w->done.mask + 1) / 4) {
+        /* not urgent (the client has its page): the supervisor takes reports at its next tick
+           unless they pile up; waking it for each would take a core from clients and workers */
+        w->bell = 1;
+    }
+}
+
 /* Hand a direct read's result to its client, then report it to the supervisor. */
 static void kv_answer_direct(struct kv_worker *w, struct kv_pend *p, int status, int64_t res, uint64_t lat) {
     struct kv_wconn *c = &w->conns[p->conn];
@@ -186,20 +221,35 @@ static void kv_answer_direct(struct kv_worker *w, struct kv_pend *p, int status,
     __atomic_store_n(&c->wseq[b], p->seq, __ATOMIC_RELEASE);
     __atomic_store_n(&w->states[p->r.buf], KV_A_CLIENT, __ATOMIC_RELEASE);
     c->inflight--;
-    if (!c->inflight && !kv_ring_len(&c->ring) && !c->wake) {
+    __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
+    if (!c->inflight && kv_conn_len(c) <= 0 && !c->wake) {
         /* the client waits for all the reads it posted: wake it when this worker holds none
            of them any more (once per call), not for every page */
         c->wake = 1;
         w->wake_list[w->nwake++] = p->conn;
     }
-    struct kv_completion rec = {0, res, status, KV_K_DIRECT, lat, p->r.gen, (uint64_t)p->r.area << 40 | p->r.slot};
-    if (!kv_ring_put(&w->done, &rec, sizeof rec)) {
-        w->reports_dropped++;  /* the supervisor is behind: its statistics miss this read */
-    } else if (kv_ring_len(&w->done) > (w->done.mask + 1) / 4) {
-        /* not urgent (the client has its page): the supervisor takes reports at its next tick
-           unless they pile up; waking it for each would take a core from clients and workers */
-        w->bell = 1;
+    if (status == KV_ST_OK && w->ref) {  /* a page read is recently used (CLOCK) */
+        const uint64_t gid = w->area_gid[p->r.area] + p->r.slot;
+        __atomic_store_n(&w->ref[gid], 1, __ATOMIC_RELAXED);
     }
+    kv_report_direct(w, c, status, res, lat, p->r.gen, p->r.area, p->r.slot);
+}
+
+/* Answer a direct read without reading anything (a stale or refused record): the buffer goes
+   back to the client, which sees a miss. */
+static void kv_answer_now(struct kv_worker *w, int32_t ci, uint32_t b, uint64_t seq, int status,
+                          const struct kv_direct_request *d) {
+    struct kv_wconn *c = &w->conns[ci];
+    c->pins[b] = -1;
+    c->wstat[b] = status;
+    __atomic_store_n(&c->wseq[b], seq, __ATOMIC_RELEASE);
+    __atomic_store_n(&w->states[c->lease_start + b], KV_A_CLIENT, __ATOMIC_RELEASE);
+    __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
+    if (!c->inflight && kv_conn_len(c) <= 0 && !c->wake) {
+        c->wake = 1;
+        w->wake_list[w->nwake++] = ci;
+    }
+    if (status == KV_ST_REFUSED) kv_report_direct(w, c, status, 0, 0, d->gen, d->area, d->slot);
 }
 
 static void kv_complete(struct kv_worker *w, int32_t k, int64_t res, uint64_t now) {
@@ -269,17 +319,61 @@ static void kv_prep(struct kv_worker *w, int32_t k, int write, uint64_t offset, 
     batch[(*n)++] = k;
 }
 
-/* A supervisor request the worker cannot even submit (it never sends one: defence only). */
-static int kv_request_ok(const struct kv_worker *w, const struct kv_io_request *r) {
-    return r->buf < w->arena_count && r->length >= KV_HEADER_BLOCK && r->length <= w->bsize
-        && r->payload_len <= r->length - KV_HEADER_BLOCK;
+/* A supervisor request the worker does not carry out: a buffer outside the arena, a transfer
+   that is not one slot, an offset that is not the slot's the request names, or a write outside
+   this server's own area. The supervisor never sends one; the check is what makes the rings'
+   content input, not authority (no record can write the superblocks or another server's area). */
+static int kv_request_ok(const struct kv_worker *w, const struct kv_io_request *r, int write) {
+    if (!(r->buf < w->arena_count && r->length >= KV_HEADER_BLOCK && r->length <= w->bsize
+          && r->payload_len <= r->length - KV_HEADER_BLOCK))
+        return 0;
+    if (r->area >= w->n_areas || r->slot >= w->area_slots[r->area] || r->length > w->slot_size
+            || r->offset != w->area_off[r->area] + r->slot * w->slot_size)
+        return 0;
+    return !write || r->area == w->own_area;
 }
 
+/* The register of slot ``gid`` as the service wrote it, read between two looks at its state
+   and generation; 0 unless it holds a VALID page throughout. */
+static int kv_register(const struct kv_worker *w, uint64_t gid, struct kv_slot *out) {
+    const struct kv_slot *s = (const struct kv_slot *)w->slots + gid;
+    uint8_t s1 = __atomic_load_n(&s->state, __ATOMIC_ACQUIRE);
+    uint64_t g1 = __atomic_load_n(&s->gen, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < 4; i++) out->d[i] = __atomic_load_n(&s->d[i], __ATOMIC_RELAXED);
+    out->length = __atomic_load_n(&s->length, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t g2 = __atomic_load_n(&s->gen, __ATOMIC_RELAXED);
+    uint8_t s2 = __atomic_load_n(&s->state, __ATOMIC_RELAXED);
+    out->gen = g1;
+    out->state = s1;
+    return s1 == KV_SLOT_VALID && s2 == KV_SLOT_VALID && g1 == g2;
+}
+
+/* Stop serving a connection that wrote what no honest client writes; the supervisor hears of
+   it (a refused report) and drops it. Its buffers still handed over are taken back there. */
+static void kv_refuse(struct kv_worker *w, struct kv_wconn *c, const struct kv_direct_request *d) {
+    struct kv_direct_request none;
+    if (!d) { memset(&none, 0, sizeof none); d = &none; }
+    if (!c->refused) kv_report_direct(w, c, KV_ST_REFUSED, 0, 0, d->gen, d->area, d->slot);
+    c->refused = 1;
+    w->refused++;
+}
+
+/* Clients' direct reads, authorized by the service's own state (docs/SECURITY.md): the record
+   names a slot, the key id (unsalted) and the generation the client found; the page is read
+   against the slot table's register, and only if the key id, salted with the connection's
+   tenant salt (which only the service and the workers know), is the register's digest. A record
+   whose generation is the register's but whose key is not is a lie: the connection is refused. */
 static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *batch, int *n) {
     int taken = 0, busy = 0;
     if (w->nconn <= 0) return 0;
-    for (int32_t j = 0; j < w->nconn; j++)
-        if (w->conns[j].live && kv_ring_len(&w->conns[j].ring)) busy++;
+    for (int32_t j = 0; j < w->nconn; j++) {
+        struct kv_wconn *c = &w->conns[j];
+        if (!c->live || c->refused) continue;
+        int64_t len = kv_conn_len(c);
+        if (len < 0) kv_refuse(w, c, NULL);  /* an impossible tail: nothing of its ring is read */
+        else if (len) busy++;
+    }
     if (!busy) return 0;
     /* fair: each turn starts at the next live connection (round robin over those, not over the
        table's slots, most of which are empty), and takes at most an equal share of the room
@@ -292,35 +386,59 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
     for (int32_t j = 0; j < w->nconn && taken < room; j++) {
         int32_t ci = (w->rr + j) % w->nconn;
         struct kv_wconn *c = &w->conns[ci];
-        if (!c->live) continue;
+        if (!c->live || c->refused) continue;
         int mine = 0;
         struct kv_direct_request d;
-        while (mine < share && taken < room && kv_ring_get(&c->ring, &d, sizeof d)) {
+        while (mine < share && taken < room && !c->refused && kv_conn_get(c, &d, sizeof d)) {
             mine++;
-            uint64_t len = d.payload_len;
             if (!(d.buf < c->lease_count && d.area < w->n_areas && d.slot < w->area_slots[d.area]
-                  && len > 0 && len <= w->page_size))
-                continue;  /* a record no honest client writes: nothing is read for it */
+                  && (uint64_t)c->lease_start + d.buf < w->arena_count)) {
+                kv_refuse(w, c, &d);  /* a record no honest client writes: nothing is read for it */
+                break;
+            }
             uint32_t i = c->lease_start + d.buf;
             uint32_t expected = kv_tagged(KV_A_DIRECT, c->gen);
-            if (i >= w->arena_count
-                    || !__atomic_compare_exchange_n(&w->states[i], &expected, kv_tagged(KV_A_READING, c->gen), 0,
-                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            /* busy before the buffer is taken: the supervisor takes a gone client's posted
+               buffers back (DIRECT -> FREE), fences, and frees the lease only when no worker is
+               busy with it, so one of the two sees the other (a state word, which the client
+               can write, is never what keeps or frees a connection) */
+            __atomic_store_n(c->busy, *c->busy + 1, __ATOMIC_RELEASE);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            if (!__atomic_compare_exchange_n(&w->states[i], &expected, kv_tagged(KV_A_READING, c->gen), 0,
+                                             __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
                 continue;  /* taken back by the client (timed out), or not this connection's to give */
+            }
             if (__atomic_load_n(&c->dseq[d.buf], __ATOMIC_ACQUIRE) != d.seq) {
                 /* a stale record (its read was taken back) for a buffer posted again since:
                    leave the buffer to the record of the read it is posted for now */
                 __atomic_store_n(&w->states[i], kv_tagged(KV_A_DIRECT, c->gen), __ATOMIC_RELEASE);
+                __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
                 continue;
             }
+            struct kv_slot reg;
+            uint64_t gid = w->area_gid[d.area] + d.slot;
+            int valid = kv_register(w, gid, &reg);
+            if (!valid || reg.gen != d.gen || !reg.length || reg.length > w->page_size) {
+                kv_answer_now(w, ci, d.buf, d.seq, KV_ST_STALE, &d);  /* changed since the client looked */
+                continue;
+            }
+            uint8_t salted[32];
+            b2b_256_from(c->keyed, 128, (const uint8_t *)d.d, 32, salted);
+            if (memcmp(salted, reg.d, 32) != 0) {
+                kv_answer_now(w, ci, d.buf, d.seq, KV_ST_REFUSED, &d);
+                kv_refuse(w, c, &d);
+                break;
+            }
+            uint64_t len = reg.length;
             int32_t k = kv_slot(w, now);
             struct kv_pend *p = &w->pend[k];
             memset(&p->r, 0, sizeof p->r);
             p->r.tag = w->next_direct++;
-            p->r.op = KV_OP_READ; p->r.buf = i; p->r.area = d.area; p->r.slot = d.slot; p->r.gen = d.gen;
+            p->r.op = KV_OP_READ; p->r.buf = i; p->r.area = d.area; p->r.slot = d.slot; p->r.gen = reg.gen;
             p->r.payload_len = len;
             p->r.length = KV_HEADER_BLOCK + (len + 4095) / 4096 * 4096;
-            memcpy(p->r.d, d.d, 32);
+            memcpy(p->r.d, reg.d, 32);
             p->conn = ci; p->b = d.buf; p->seq = d.seq;
             c->inflight++;
             w->reads_inflight++;
@@ -333,7 +451,7 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
 
 static int kv_direct_waiting(const struct kv_worker *w) {
     for (int32_t j = 0; j < w->nconn; j++)
-        if (w->conns[j].live && kv_ring_len(&w->conns[j].ring)) return 1;
+        if (w->conns[j].live && !w->conns[j].refused && kv_conn_len(&w->conns[j]) > 0) return 1;
     return 0;
 }
 
@@ -370,18 +488,25 @@ int kv_wk_turn(struct kv_worker *w) {
         w->pend[k].r = r; w->pend[k].conn = -1;
         w->reads_inflight++;
         room--;
-        if (!kv_request_ok(w, &r)) { kv_complete(w, k, -EINVAL, now); continue; }
+        if (!kv_request_ok(w, &r, 0)) { kv_complete(w, k, -EINVAL, now); continue; }
         kv_prep(w, k, 0, r.offset, batch, &n);
     }
     if (room > 0) kv_take_direct(w, room, now, batch, &n);
     room = w->max_writes - (int)w->writes_inflight;
-    if (sup_ok && room > 0 && !kv_ring_len(&w->reads) && !kv_direct_waiting(w)) {
+    /* writes wait while reads do, but not without bound: a client that keeps its ring busy (or
+       claims to) must not stop every put. Writes that waited KV_WRITE_STARVE_NS go anyway. */
+    int reads_wait = kv_ring_len(&w->reads) || kv_direct_waiting(w);
+    if (!kv_ring_len(&w->writes) || !reads_wait) w->writes_waiting_since = 0;
+    else if (!w->writes_waiting_since) w->writes_waiting_since = (int64_t)now;
+    int starved = w->writes_waiting_since && (int64_t)now - w->writes_waiting_since >= KV_WRITE_STARVE_NS;
+    if (sup_ok && room > 0 && (!reads_wait || starved)) {
+        if (starved) w->writes_waiting_since = (int64_t)now;
         while (room > 0 && kv_ring_get(&w->writes, &r, sizeof r)) {
             int32_t k = kv_slot(w, now);
             w->pend[k].r = r; w->pend[k].conn = -1;
             w->writes_inflight++;
             room--;
-            if (!kv_request_ok(w, &r)) { kv_complete(w, k, -EINVAL, now); continue; }
+            if (!kv_request_ok(w, &r, 1)) { kv_complete(w, k, -EINVAL, now); continue; }
             kv_prepare_write(w, &r);
             kv_prep(w, k, 1, r.offset, batch, &n);
         }

@@ -20,9 +20,14 @@ struct kv_wconn {
     int32_t live;          /* in the connection table: its ring is served */
     int32_t wake;          /* on the wake list of this turn */
     uint32_t gen, lease_start, lease_count;
-    struct kv_ring ring;   /* its direct reads for this device */
+    struct kv_ring ring;   /* its direct reads for this device (the client writes head and tail) */
+    uint64_t head;         /* the worker's own consumer index: the shared head word is only a copy */
     int64_t *pins; uint64_t *dseq; int32_t *wstat; uint64_t *wseq;
     int64_t inflight;
+    int64_t *busy;         /* the worker's table: buffers of this lease it reads into or is taking */
+    uint64_t keyed[8];     /* BLAKE2b state after the connection's tenant salt (from the service) */
+    int32_t cid;           /* its id in the service's connection table */
+    int32_t refused;       /* it posted a record no honest client writes: no more of its reads */
 };
 
 struct kv_bad {  /* a read whose header was not the expected one, for the log */
@@ -45,6 +50,10 @@ struct kv_worker {
     uint8_t *arena; uint64_t bsize; uint32_t *states; uint32_t arena_count;
     uint8_t uuid[16]; uint32_t dev; uint64_t page_size, slot_size;
     const uint64_t *area_off; const uint64_t *area_slots; uint32_t n_areas;
+    uint32_t own_area;           /* the only area this server writes */
+    const void *slots;           /* the slot table (struct kv_slot): what a direct read is checked against */
+    const uint64_t *area_gid;    /* global slot id of each area's slot 0 on this device */
+    uint8_t *ref;                /* CLOCK reference bits, set for each page a client read */
     uint64_t *row; int32_t didx[12]; uint64_t *hread, *hwrite; int32_t hist_buckets;
     struct kv_wconn *conns; int32_t nconn;
     /* read and reset by Python after each call */
@@ -52,10 +61,12 @@ struct kv_worker {
     int32_t *wake_list;
     struct kv_bad bad[16];
     uint64_t reports_dropped;
+    uint64_t refused;            /* direct-read records refused (a lie, or an inconsistent ring) */
     /* state */
     int64_t outstanding, reads_inflight, writes_inflight;
     int32_t depth, nfree, ndeferred, rr;
     uint64_t next_direct;
+    int64_t writes_waiting_since;  /* CLOCK_MONOTONIC ns since writes wait behind reads; 0: none */
     io_context_t ctx;
     struct iocb *iocbs; struct iocb **ptrs; struct kv_pend *pend; int32_t *free_slots;
     struct kv_completion *deferred;

@@ -2,8 +2,12 @@
 
 Each worker has one control segment holding three rings (see ``WorkerRings``):
 ``reads`` and ``writes`` (supervisor -> worker) carry ``IO_REQUEST``;
-``done`` (worker -> supervisor) carries ``IO_COMPLETION``. Layouts are listed in
-docs/FORMAT.md ("I/O worker rings").
+``done`` (worker -> supervisor) carries ``IO_COMPLETION``; then the worker's own
+table of the connections whose direct reads it serves (``WCONN``: generation,
+lease and tenant salt, written by the supervisor; ``busy``, written by the
+worker). The segment is the supervisor's and the worker's alone: it is created
+owner-only whatever ``service.access_group`` says, and no client is told its
+name. Layouts are listed in docs/FORMAT.md ("I/O worker rings").
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ ST_IO_ERROR = 1       # the device failed the request (result holds -errno) or i
 ST_BAD_HEADER = 2     # header missing, torn, or not the expected store/slot/generation/key
 ST_BAD_CHECKSUM = 3   # payload checksum mismatch
 ST_WORKER_LOST = 4    # synthesized by the supervisor when the worker died or hung
+ST_REFUSED = 5        # direct read: a record no honest client writes; nothing read, the connection dropped
+ST_STALE = 6          # direct read: the slot no longer holds the page the client found; nothing read
 
 #: supervisor -> worker, 96 bytes
 IO_REQUEST = np.dtype([
@@ -58,29 +64,46 @@ IO_COMPLETION = np.dtype([
     ("where", "<u8"),      # K_DIRECT: area << 40 | slot
 ])
 assert IO_COMPLETION.itemsize == 48
+# K_DIRECT: ``tag`` is the reading connection, generation << 32 | connection id
+
+#: one connection as a worker serves it (the worker's segment), 64 bytes
+WCONN = np.dtype([
+    ("gen", "<u8"),          # supervisor: the connection's generation; 0: none (the worker lets go)
+    ("lease_start", "<u4"),  # supervisor: first arena buffer of its lease
+    ("lease_count", "<u4"),  # supervisor: buffers in its lease
+    ("salt", "u1", 32),      # supervisor: its tenant's salt (what its key ids are salted with)
+    ("busy", "<i8"),         # worker: buffers of this id's lease it reads into or is taking (>= 0)
+    ("pad", "<u8"),
+])
+assert WCONN.itemsize == 64
 
 REQUEST_RING = 1024
 DONE_RING = 1024
 
 
 class WorkerRings:
-    """The three rings of one worker's control segment, at fixed offsets."""
+    """The three rings of one worker's control segment, at fixed offsets, and its connection table."""
 
-    def __init__(self, buf: Any) -> None:
+    def __init__(self, buf: Any, max_clients: int = 0) -> None:
         o = 0
         self.reads = Ring(buf, o, REQUEST_RING, IO_REQUEST)
         o += Ring.nbytes(REQUEST_RING, IO_REQUEST)
         self.writes = Ring(buf, o, REQUEST_RING, IO_REQUEST)
         o += Ring.nbytes(REQUEST_RING, IO_REQUEST)
         self.done = Ring(buf, o, DONE_RING, IO_COMPLETION)
+        o += Ring.nbytes(DONE_RING, IO_COMPLETION)
+        self.conns = np.frombuffer(buf, dtype=WCONN, count=max_clients, offset=o)
+        """The connections whose direct reads the worker serves, by connection id."""
 
     @staticmethod
-    def nbytes() -> int:
+    def nbytes(max_clients: int = 0) -> int:
         """Size of the control segment."""
-        return 2 * Ring.nbytes(REQUEST_RING, IO_REQUEST) + Ring.nbytes(DONE_RING, IO_COMPLETION)
+        return (2 * Ring.nbytes(REQUEST_RING, IO_REQUEST) + Ring.nbytes(DONE_RING, IO_COMPLETION)
+                + max_clients * WCONN.itemsize)
 
     def reset(self) -> None:
-        """Empty all three rings (only while no worker runs)."""
+        """Empty all three rings; a worker that is gone holds no buffer (only while no worker runs)."""
         self.reads.reset()
         self.writes.reset()
         self.done.reset()
+        self.conns["busy"] = 0

@@ -63,7 +63,6 @@ import structlog
 
 from ..service import protocol as P
 from ..shm.arena import Arena
-from ..shm.control import CONN_DTYPE
 from ..shm.segment import Segment, attach_semaphore, wait_semaphore
 from ..shm.stats import D, StatsBlock
 from ..storage.superblock import FORMAT_VERSION
@@ -92,15 +91,20 @@ class WorkerParams:
     direct: bool = True
     store: str = ""
     server: str = ""
-    conns_offset: int = 0
-    """Offset of the connection table in the control segment (0 with ``max_clients`` 0: no direct reads)."""
     max_clients: int = 0
+    """Entries of the worker's connection table (0: no direct reads)."""
     conn_prefix: str = ""
     """Connection ``cid``'s segment is ``conn_prefix + str(cid)``, its semaphore that plus ``.s``."""
     n_devices: int = 1
     slot_size: int = 0
     area_offsets: tuple[int, ...] = ()
     area_slots: tuple[int, ...] = ()
+    own_area: int = 0
+    """The area of this server: the only one the worker writes."""
+    area_gids: tuple[int, ...] = ()
+    """Global slot id of each area's slot 0 on this device (indexes the control segment's slot table)."""
+    ref_offset: int = -1
+    """Offset of the CLOCK reference bits in the control segment (-1: none)."""
 
 
 IDLE_POLL_S = 0.0005  # after a batch of at most P.POLL_READS I/Os the loop polls this long (yielding)
@@ -122,29 +126,44 @@ def _ring(dst: Any, ring: Any) -> None:
 
 
 class _Conn:
-    """A client connection whose direct reads this worker serves (``k``: its slot in the C table)."""
+    """A client connection whose direct reads this worker serves (``k``: its slot in the C table).
 
-    def __init__(self, p: WorkerParams, cid: int, entry: Any, k: int, c: Any) -> None:
+    Everything it is served under (generation, lease, tenant salt) comes from the worker's own
+    connection table, which only the supervisor writes; the client's segment gives only the
+    ring and the words the protocol lets the client write."""
+
+    def __init__(self, p: WorkerParams, cid: int, entry: Any, k: int, c: Any, busy: np.ndarray[Any, Any]) -> None:
         self.k = k
+        self.cid = cid
+        self.gen = int(entry["gen"])
+        lease_count = int(entry["lease_count"])
         self.seg = Segment.attach(p.conn_prefix + str(cid))
         try:
-            lease_count = int(entry["lease_count"])
+            if self.seg.size < P.ClientChannel.nbytes(lease_count, p.n_devices):
+                raise ValueError("connection segment smaller than its layout")
             self.chan = P.ClientChannel(self.seg.buf, lease_count, p.n_devices)
             self.sem = attach_semaphore(p.conn_prefix + f"{cid}.s")
         except BaseException:
             self.seg.close()
             raise
         self.c = c
-        c.gen = int(entry["gen"]) & 0xFFFFFFFF
+        c.gen = self.gen & 0xFFFFFFFF
+        c.cid = cid
         c.lease_start = int(entry["lease_start"])
         c.lease_count = lease_count
-        _ring(c.ring, self.chan.direct[p.device_index])
+        ring = self.chan.direct[p.device_index]
+        _ring(c.ring, ring)
+        c.head = int(LIB.kv_load_acquire_u64(ring._head))  # ours from here on; the tail is checked against it
+        self._salt = FFI.from_buffer(entry["salt"].tobytes())
+        LIB.kv_b2b_keyed(c.keyed, self._salt, 32)
         c.pins = _ptr("int64_t *", self.chan.pins)
         c.dseq = _ptr("uint64_t *", self.chan.dseq)
         c.wstat = _ptr("int32_t *", self.chan.wstat)
         c.wseq = self.chan._wseq
         c.inflight = 0
+        c.busy = _ptr("int64_t *", busy)
         c.wake = 0
+        c.refused = 0
         c.live = 1
 
     def close(self) -> None:
@@ -160,9 +179,9 @@ class Worker:
         self.p = p
         self.arena_seg = Segment.attach(p.arena_name)
         self.control_seg = Segment.attach(p.control_name)
-        self.arena = Arena(self.arena_seg.buf, self.control_seg.buf, p.states_offset, p.arena_count, p.page_size)
+        self.arena = Arena(self.arena_seg.buf, self.arena_seg.buf, p.states_offset, p.arena_count, p.page_size)
         self.wseg = Segment.attach(p.worker_segment)
-        self.rings = WorkerRings(self.wseg.buf)
+        self.rings = WorkerRings(self.wseg.buf, p.max_clients)
         self.stats_seg = Segment.attach(p.stats_name)
         self.stats = StatsBlock.attach(self.stats_seg.buf)
         self.doorbell = attach_semaphore(p.doorbell)
@@ -194,6 +213,14 @@ class Worker:
         w.area_off = _ptr("uint64_t *", self._area_off)
         w.area_slots = _ptr("uint64_t *", self._area_slots)
         w.n_areas = len(p.area_offsets)
+        w.own_area = p.own_area
+        # what direct reads are checked against: the service's slot table (the control segment
+        # starts with it) and where each area's slots are in it
+        self._area_gid = np.array(p.area_gids or (0,) * max(1, len(p.area_offsets)), dtype=np.uint64)
+        w.area_gid = _ptr("uint64_t *", self._area_gid)
+        self._ctl = FFI.from_buffer(self.control_seg.buf)
+        w.slots = self._ctl
+        w.ref = FFI.cast("uint8_t *", self._ctl + p.ref_offset) if p.ref_offset >= 0 else FFI.NULL
         self.row = self.stats.device[d]
         w.row = _ptr("uint64_t *", self.row)
         w.didx = [D[n] for n in _COUNTERS]
@@ -215,14 +242,17 @@ class Worker:
             LIB.kv_wk_free(w)
             os.close(self.fd)
             raise OSError(-ret, f"io_setup: {os.strerror(-ret)}", p.device_path)
-        self.conn_table = (np.frombuffer(self.control_seg.buf, dtype=CONN_DTYPE, count=p.max_clients,
-                                         offset=p.conns_offset) if p.max_clients else None)
+        self.conn_table = self.rings.conns if p.max_clients else None
+        self._busy = self.rings.conns["busy"]
         self.conns: dict[int, _Conn] = {}
         self._conn_gens = np.zeros(p.max_clients, dtype=np.uint64)
-        self._conn_raw = memoryview(self.control_seg.buf)[p.conns_offset:p.conns_offset + 16 * p.max_clients]
-        self._conn_seen = bytes(16 * p.max_clients)
         self._leaving: list[_Conn] = []   # gone from the table, still with reads in flight
         self._log = structlog.get_logger(__name__)
+
+    @property
+    def refused(self) -> int:
+        """Direct-read records refused (lies, impossible ring tails)."""
+        return int(self.w.refused)
 
     @property
     def reports_dropped(self) -> int:
@@ -267,14 +297,16 @@ class Worker:
 
     # ---- direct reads -------------------------------------------------------------------
     def _poll_conns(self) -> None:
-        """Follow the connection table: attach new connections, let go of ended ones."""
-        if self.conn_table is None:
+        """Follow the worker's connection table: attach new connections, let go of ended ones.
+
+        The worker publishes in ``busy`` how many buffers of each id's lease it reads into (or
+        is taking); the supervisor frees a gone client's lease only when that is 0."""
+        t = self.conn_table
+        if t is None:
             return
-        raw = self._conn_raw.tobytes()  # a cheap look each loop turn; most turns nothing changed
-        if raw == self._conn_seen:
+        gens = t["gen"].copy()  # a cheap look each loop turn; most turns nothing changed
+        if np.array_equal(gens, self._conn_gens):
             return
-        gens = self.conn_table["gen"].copy()
-        retry = False
         for cid in np.nonzero(gens != self._conn_gens)[0].tolist():
             old = self.conns.pop(cid, None)
             if old is not None:
@@ -283,16 +315,14 @@ class Worker:
             self._conn_gens[cid] = 0
             if int(gens[cid]):
                 if not self._free_slots:
-                    retry = True  # every slot holds a connection with reads in flight: next turn
-                    continue
+                    continue  # every slot holds a connection with reads in flight: next turn
                 k = self._free_slots.pop()
                 try:
-                    self.conns[cid] = self._by_slot[k] = _Conn(self.p, cid, self.conn_table[cid], k, self._cslots[k])
+                    self.conns[cid] = self._by_slot[k] = _Conn(self.p, cid, t[cid], k, self._cslots[k],
+                                                               self._busy[cid:cid + 1])
                 except Exception:  # posix_ipc.ExistentialError, or a segment of another size
                     self._free_slots.append(k)  # already gone again (its segment unlinked): the table will say so
             self._conn_gens[cid] = gens[cid]
-        if not retry:
-            self._conn_seen = raw
         self._close_left()
 
     def _close_left(self) -> None:

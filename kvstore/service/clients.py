@@ -7,10 +7,14 @@ this slot (``reading``), and what did the clients count themselves (``count``: t
 and direct gets, added to the stats). Requests on a connection are the supervisor's business
 (``connections.take``/``answer``); this module only opens and closes the channel they use.
 
-A connection is dropped once its client is gone (EOF on its socket, or bytes after the hello),
-no I/O of the service uses its buffers, and no device worker reads into them: buffers handed
-to a worker and not taken yet are taken back first (compare-and-swap), and one being read
-keeps the connection (and its pins) until the worker is done.
+A connection is dropped once its client is gone (EOF on its socket, bytes after the hello, or a
+direct-read record a worker refused), no I/O of the service uses its buffers, and no device
+worker reads into them: the service clears the connection in every worker's table, takes back
+the buffers handed over for direct reads and not taken yet (compare-and-swap), and waits until
+no worker is ``busy`` with its lease (a count each worker publishes in its own table, raised
+before it takes a buffer). What the service then frees is decided by its own records, never by
+a word the client can write: the whole lease comes back, except buffers a hung worker may still
+transfer into (``held``, freed when that worker is gone).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..shm.segment import Segment, create_semaphore, unlink_semaphore
 from ..shm.stats import StatsBlock
 from . import protocol as P
 from .connections import Conn, Handshakes, PeerCred, give_back
+from .workers import WorkerSlot
 
 
 class Clients:
@@ -40,9 +45,11 @@ class Clients:
 
     def __init__(self, *, cfg: Callable[[], StoreConfig], stopping: Callable[[], bool], arena: A.Arena,
                  stats: StatsBlock, log: Any, prefix: str, mode: int, group: int | None, sock_path: Path,
-                 conn_table: np.ndarray[Any, Any], n_devices: int, hello: dict[str, Any]) -> None:
-        """``cfg`` gives the store config in force (it is replaced on reload); ``hello``: the
-        fields every accepted hello carries."""
+                 workers: list[WorkerSlot], held: Callable[[], set[int]], n_devices: int,
+                 hello: dict[str, Any]) -> None:
+        """``cfg`` gives the store config in force (it is replaced on reload); ``workers``: the
+        device workers (their connection tables); ``held``: arena buffers a hung worker may
+        still use; ``hello``: the fields every accepted hello carries."""
         self._cfg = cfg
         self._stopping = stopping
         self.arena = arena
@@ -50,7 +57,8 @@ class Clients:
         self.log = log
         self.prefix, self.mode, self.group = prefix, mode, group
         self.sock_path = sock_path
-        self.table = conn_table
+        self.workers = workers
+        self.held = held
         self.n_devices = n_devices
         self.hello = hello
         self.conns: dict[int, Conn] = {}
@@ -76,7 +84,7 @@ class Clients:
         if self.group is not None:  # ... and the configured group's
             os.chown(self.sock_path, -1, self.group)
             os.chmod(self.sock_path, 0o660)
-        s.listen(64)
+        s.listen(P.LISTEN_BACKLOG)
         s.setblocking(False)
         self.lsock = s
         self.handshakes = Handshakes(s)
@@ -110,6 +118,10 @@ class Clients:
                                 "(client and service of different kvstore versions?)")
         if len(self.conns) >= cfg.service.max_clients:
             self.reap()  # a client that just closed must not hold a place against this one
+        cap = cfg.service.clients_per_user or cfg.service.max_clients
+        if sum(1 for c in self.conns.values() if c.cred.uid == cred.uid) >= cap:
+            return self._refuse(s, "busy", f"user {cred.uid} has its maximum of {cap} clients "
+                                "(service.clients_per_user in the store config)")
         asked = msg.get("tenant", "")
         try:
             if not isinstance(asked, str):
@@ -127,9 +139,9 @@ class Clients:
         cid = free[0]
         nb = cfg.service.client_buffers
         start = cid * nb
-        for i in range(start, start + nb):
-            if self.arena.state(i) != A.QUARANTINE:  # a hung worker's buffers stay out until it is reaped
-                self.arena.set_state(i, A.FREE)
+        held = self.held()
+        for i in range(start, start + nb):  # the service's record, not the words a client left
+            self.arena.set_state(i, A.QUARANTINE if i in held else A.FREE)
         seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb, self.n_devices), self.mode,
                              self.group)
         sem_name = self.prefix + f"c{cid}.s"
@@ -140,8 +152,14 @@ class Clients:
                     salt, tenant, tid, generation=self.generation)
         conn.chan.pins[:] = -1
         self.conns[cid] = conn
-        # the workers serve its direct reads from now on (the segment and semaphore exist)
-        self.table[cid] = (self.generation, start, nb)
+        # the workers serve its direct reads from now on (the segment and semaphore exist), under
+        # what this table says: lease and tenant salt first, the generation last
+        for w in self.workers:
+            e = w.rings.conns
+            e["lease_start"][cid], e["lease_count"][cid] = start, nb
+            e["salt"][cid] = np.frombuffer(salt, dtype=np.uint8)
+            LIB.kv_fence()
+            e["gen"][cid] = self.generation
         try:
             s.send(P.encode_frame({
                 **self.hello, "v": P.VERSION, "ok": True, "client_id": cid, "max_batch": nb, "lease_start": start,
@@ -177,31 +195,60 @@ class Clients:
                     self.log.info("client disconnected", client=conn.id, pid=conn.pid)
                 conn.alive = False
                 s.close()
-        for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
-            if self._direct_settled(conn):
+        for conn in [c for c in self.conns.values() if not c.alive]:
+            self._unserve(conn)  # no worker takes another of its reads
+            if conn.ops == 0 and self._direct_settled(conn):
                 self.drop(conn)
 
+    def refuse(self, cid: int, generation: int) -> None:
+        """A worker refused a direct-read record of connection ``cid`` (one no honest client
+        writes): disconnect it; it is dropped like any gone client."""
+        conn = self.conns.get(cid)
+        if conn is None or conn.generation & 0xFFFFFFFF != generation or not conn.alive:
+            return
+        self.stats.add("clients_refused")
+        self.log.warning("client posted a direct read no honest client writes; disconnected", client=cid,
+                         pid=conn.pid, uid=conn.cred.uid, tenant=conn.tenant)
+        conn.alive = False
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        self._unserve(conn)
+
+    def _unserve(self, conn: Conn) -> None:
+        for w in self.workers:
+            if int(w.rings.conns["gen"][conn.id]) == conn.generation:
+                w.rings.conns["gen"][conn.id] = 0
+        LIB.kv_fence()  # pairs with the worker's: it acknowledges, then looks at the generation again
+
     def _direct_settled(self, conn: Conn) -> bool:
-        """Whether no worker can still read into the gone client's buffers: take back those
-        handed over for direct reads and not taken yet; False while one is being read."""
-        busy = False
+        """Whether no worker can still read into the gone client's buffers: take back those handed
+        over and not taken yet, then ask the workers' own counts (a worker raises its count
+        before it takes a buffer: after this sweep and the fence, a count of 0 means none holds
+        or will take one). A worker being replaced holds nothing; the reads it had taken were
+        failed when it was lost."""
         for b in range(conn.lease_start, conn.lease_start + conn.lease_count):
             st = self.arena.state(b)
             if A.kind(st) == A.DIRECT:
-                self.arena.cas_state(b, st, A.FREE)  # fails only if the worker took it just now
-                st = self.arena.state(b)
-            busy |= A.kind(st) == A.READING
-        return not busy
+                self.arena.cas_state(b, st, A.FREE)  # fails only if a worker took it just now
+        LIB.kv_fence()
+        return all(w.proc is None or int(w.rings.conns["busy"][conn.id]) <= 0 for w in self.workers)
 
     def drop(self, conn: Conn) -> None:
-        """Forget a connection: its counters are added, its buffers freed, its segment removed."""
+        """Forget a connection: its counters are added, its lease freed (except what a hung
+        worker may still use), its segment removed."""
         self.count(conn)
-        self.table[conn.id]["gen"] = 0  # workers let go of its segment
+        self._unserve(conn)
         del self.conns[conn.id]
         conn.alive = False
+        held = self.held()
         for b in list(conn.inuse):  # e.g. a put answered early whose write failed to dispatch
-            if self.arena.state(b) != A.QUARANTINE:
+            if b not in held:
                 give_back(conn, b, self.arena, A.FREE)
+        for b in range(conn.lease_start, conn.lease_start + conn.lease_count):
+            if b not in held:  # whatever the client left in its state words
+                self.arena.set_state(b, A.FREE)
         conn.seg.close()
         conn.seg.unlink()
         conn.sem.close()

@@ -110,7 +110,11 @@ class Handshakes:
                 s.close()
                 self.dropped += 1
                 continue
-            if len(self.pending) >= MAX_PENDING_HELLOS:
+            # a flood of silent connections displaces its own sender's, not other users' hellos
+            mine = [fd for fd, p in self.pending.items() if p.cred.uid == cred.uid]
+            if len(mine) >= P.MAX_PENDING_PER_UID:
+                self._drop(min(mine, key=lambda fd: self.pending[fd].reader.deadline))
+            elif len(self.pending) >= MAX_PENDING_HELLOS:
                 oldest = min(self.pending, key=lambda fd: self.pending[fd].reader.deadline)
                 self._drop(oldest)
             self.pending[s.fileno()] = Pending(s, cred, P.HelloReader(self.clock() + P.HELLO_DEADLINE_S))

@@ -95,6 +95,8 @@ from ..shm.ring import Ring
 VERSION = 3
 MAX_FRAME = 1 << 16
 HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
+LISTEN_BACKLOG = 1024    # connections the kernel queues for accept (capped by net.core.somaxconn)
+MAX_PENDING_PER_UID = 8  # hellos one local user may have in progress at once (a flood drops its own)
 NDESC = 8                # request descriptors per connection (requests in flight, timed-out ones included)
 HIST_BUCKETS = 32        # as the stats block's histograms
 COUNTERS_WORDS = 5 + HIST_BUCKETS  # client-written counters, after the descriptors
@@ -107,10 +109,10 @@ DIRECT_REQ = np.dtype([
     ("seq", "<u8"),          # the client's sequence number for this read (echoed in wseq)
     ("buf", "<u2"),          # buffer index within the connection's lease
     ("area", "<u2"),         # area of the slot on the worker's device
-    ("payload_len", "<u4"),  # payload bytes the slot table gives for the slot
+    ("payload_len", "<u4"),  # payload bytes the slot table gave (not used: the worker reads the register)
     ("slot", "<u8"),         # slot index in the area
     ("gen", "<u8"),          # generation the client found in the slot table
-    ("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"),  # salted key digest expected
+    ("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"),  # the key id (unsalted; the worker salts it)
 ])
 assert DIRECT_REQ.itemsize == 64
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..config import StoreConfig
 from ..digests import salted_words
 from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER, ST_OK,
+                                  ST_REFUSED, ST_STALE,
                                   ST_WORKER_LOST)
 from ..shm import arena as A
 from ..shm.arena import Arena
@@ -372,8 +373,19 @@ class Requests:
 
     def _direct_done(self, d: int, c: Any) -> None:
         """A worker's report of a client's direct read (the client already has the page): count
-        it, hint peers whose pages we read, and drop a location that failed validation."""
+        it, hint peers whose pages we read, and drop a location that failed validation. The
+        worker validated the read against the slot table's register, not against anything the
+        client said, so a failure is the device disagreeing with the register. A refused record
+        (a lie) disconnects its client and costs nobody else anything."""
         status = int(c["status"])
+        if status == ST_REFUSED:
+            tag = int(c["tag"])
+            self.s.stats.add("direct_refused")
+            if self.s.clients is not None:
+                self.s.clients.refuse(tag & 0xFFFFFFFF, tag >> 32)
+            return
+        if status == ST_STALE:  # changed since the client looked: a miss (the client counts it)
+            return
         where = int(c["where"])
         try:
             gid = self.s.smap.gid(d, where >> 40, where & ((1 << 40) - 1))

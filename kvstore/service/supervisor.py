@@ -122,6 +122,10 @@ class Supervisor:
             except KeyError:
                 raise ValueError(f"service.access_group {cfg.service.access_group!r} is not a group here") from None
         self.mode = 0o660 if self.group is not None else 0o600
+        # what clients only read (the lookup tables, statistics) is group-readable, never
+        # group-writable; what only the service and its children use is owner-only whatever
+        # the group (docs/SECURITY.md "Who maps what")
+        self.read_mode = 0o640 if self.group is not None else 0o600
 
     # ---- start-up -------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -175,8 +179,11 @@ class Supervisor:
         if self.ckpt.start():
             self._last_ckpt = now
 
-    def _segment(self, what: str, size: int) -> Segment:
-        seg = Segment.create(self.prefix + what, size, self.mode, self.group)
+    def _segment(self, what: str, size: int, mode: int | None = None) -> Segment:
+        """A segment of this service: ``mode`` 0o600 for the service's own (no group), 0o640 for
+        what clients read, the default (``self.mode``) for what clients write."""
+        mode = self.mode if mode is None else mode
+        seg = Segment.create(self.prefix + what, size, mode, self.group if mode & 0o070 else None)
         self._segments.append(seg)
         return seg
 
@@ -206,17 +213,16 @@ class Supervisor:
             if self.arena_count > REQUEST_RING:
                 raise ValueError(f"max_clients x client_buffers must be <= {REQUEST_RING}, "
                                  f"got {self.arena_count}")
-            lay = ControlLayout.of(total, self.arena_count, cfg.service.max_clients)
+            lay = ControlLayout.of(total)
             self.layout = lay
-            self.states_off = lay.states_offset
-            ctl = self._segment("control", lay.nbytes)
+            ctl = self._segment("control", lay.nbytes, self.read_mode)
             self.slots = lay.slot_table(ctl.buf)
-            self.conn_table = lay.connections(ctl.buf)
-            arena_seg = self._segment("arena", self.arena_count * A.buffer_size(cfg.page_size))
-            self.arena = A.Arena(arena_seg.buf, ctl.buf, self.states_off, self.arena_count, cfg.page_size)
-            st = self._segment("stats", stats_nbytes(len(cfg.devices)))
+            self.states_off = A.Arena.states_offset(self.arena_count, cfg.page_size)
+            arena_seg = self._segment("arena", A.Arena.nbytes(self.arena_count, cfg.page_size))
+            self.arena = A.Arena(arena_seg.buf, arena_seg.buf, self.states_off, self.arena_count, cfg.page_size)
+            st = self._segment("stats", stats_nbytes(len(cfg.devices)), self.read_mode)
             self.stats = StatsBlock(st.buf, len(cfg.devices), init=True)
-            self.board = Board(self._segment("board", BOARD_BYTES).buf)
+            self.board = Board(self._segment("board", BOARD_BYTES, self.read_mode).buf)
             self.stats.set("started_ns", time.time_ns())
             self.doorbell = self._sem("bell")
             # rebuild from headers, then index: other areas first so our own copy wins a duplicate
@@ -236,10 +242,12 @@ class Supervisor:
                                    reading=self._clients_reading)
 
             for d, path in enumerate(cfg.devices):
-                seg = self._segment(f"w{d}", WorkerRings.nbytes())
+                # the worker's rings and connection table: the service's and the worker's alone
+                seg = self._segment(f"w{d}", WorkerRings.nbytes(cfg.service.max_clients), 0o600)
                 wake_name = self.prefix + f"w{d}"
                 wake = self._sem(f"w{d}")
-                self.workers.append(WorkerSlot(d, path, seg, WorkerRings(seg.buf), wake, wake_name))
+                self.workers.append(WorkerSlot(d, path, seg, WorkerRings(seg.buf, cfg.service.max_clients), wake,
+                                               wake_name))
             self._mp = multiprocess.get_context("spawn")
             self.requests = Requests(self)
             self.pool = Workers(cfg=lambda: self.cfg, stopping=lambda: self.stop, mp=self._mp, stats=self.stats,
@@ -270,12 +278,12 @@ class Supervisor:
             self.clients = Clients(
                 cfg=lambda: self.cfg, stopping=lambda: self.stop, arena=self.arena, stats=self.stats, log=self.log,
                 prefix=self.prefix, mode=self.mode, group=self.group, sock_path=self.sock_path,
-                conn_table=self.conn_table, n_devices=len(self.workers), hello={
+                workers=self.workers, held=self._held_buffers, n_devices=len(self.workers), hello={
                     "page_size": cfg.page_size, "arena": self.prefix + "arena", "control": self.prefix + "control",
                     "states_offset": self.states_off, "arena_count": self.arena_count,
                     "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": cfg.name,
                     "server": self.server, "stats": self.prefix + "stats", "slots": self.smap.total,
-                    "max_clients": self.layout.max_clients, "workers": [w.wake_name for w in self.workers],
+                    "max_clients": cfg.service.max_clients, "workers": [w.wake_name for w in self.workers],
                     "areas": [[a.slot_count for a in sb.areas] for sb in self.sbs]})
             self.clients.listen()
             self.watcher = MembershipWatcher(cfg.name, self.home, cfg.membership_gen)
@@ -289,8 +297,8 @@ class Supervisor:
             raise
 
     def _start_sync(self) -> None:
-        self._segment("peers", BOARD_BYTES)
-        seg = self._segment("sync", SyncRings.nbytes())
+        self._segment("peers", BOARD_BYTES, self.read_mode)
+        seg = self._segment("sync", SyncRings.nbytes(), 0o600)  # the agent's and ours alone
         self.sync = SyncLink(seg.buf, self.slots, self.smap, self.index, self.area, self.epoch,
                              self.cfg.sync.delta_log_records, self.stats, on_change=self._on_merge,
                              on_hint=self._on_hint)
@@ -390,11 +398,12 @@ class Supervisor:
             states_offset=self.states_off, worker_segment=self.prefix + f"w{w.device}",
             stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=w.wake_name,
             read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes,
-            store=cfg.name, server=self.server, conns_offset=self.layout.conns_offset,
-            max_clients=self.layout.max_clients, conn_prefix=self.prefix + "c", n_devices=len(self.workers),
+            store=cfg.name, server=self.server,
+            max_clients=cfg.service.max_clients, conn_prefix=self.prefix + "c", n_devices=len(self.workers),
             slot_size=self.sbs[w.device].slot_size,
             area_offsets=tuple(a.offset for a in self.sbs[w.device].areas),
-            area_slots=tuple(a.slot_count for a in self.sbs[w.device].areas))
+            area_slots=tuple(a.slot_count for a in self.sbs[w.device].areas),
+            own_area=self.area, area_gids=tuple(self.smap.bases[w.device]), ref_offset=self.layout.ref_offset)
 
     def _digests(self, gids: Any) -> list[bytes]:
         return [bytes(x) for x in entry_words(self.slots[np.asarray(gids, dtype=np.int64)])]
@@ -439,6 +448,13 @@ class Supervisor:
 
     def _queued(self, device: int) -> bool:
         return self.requests is not None and any(op.device == device for op in self.requests.pending.values())
+
+    def _held_buffers(self) -> set[int]:
+        """Arena buffers a hung worker may still transfer into: kept from every client until it
+        is gone (the service's own record; a state word a client can write is not asked)."""
+        if self.pool is None:
+            return set()
+        return {b for _proc, held in self.pool.zombies for _conn, b in held}
 
     def _worker_replaced(self, device: int) -> None:
         if self.clients is not None:

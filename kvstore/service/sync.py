@@ -111,6 +111,13 @@ class SyncLink:
         recs = self.rings.inn.get_batch(1 << 16)
         if not len(recs):
             return 0
+        n = len(recs)
+        # the agent validated every record, but the ring is input here too: a record that names
+        # no slot of this store (or no peer) is dropped and counted, never indexed with
+        ok = self._in_range(recs)
+        if not ok.all():
+            self.stats.add("sync_messages_rejected", int((~ok).sum()))
+            recs = recs[ok]
         remote = recs[recs["kind"] == K_REMOTE]
         # re-checked here, not only in the agent: a register is merged only from its area's owner
         bad = remote["area"] != remote["peer"]
@@ -147,7 +154,21 @@ class SyncLink:
             self.stats.add("hints_received", len(hints))
         for r in recs[recs["kind"] == K_REQUEST]:
             self._queue_answer(int(r["peer"]), int(r["seq"]), int(r["gen"]))
-        return len(recs)
+        return n
+
+    def _in_range(self, recs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Which records name a peer (area) of the store and, for registers and hints, a slot of it."""
+        sm = self.smap
+        ok = recs["peer"] < sm.n_areas
+        regs = (recs["kind"] == K_REMOTE) | (recs["kind"] == K_HINT)
+        if regs.any():
+            dev = recs["device"].astype(np.int64)
+            area = recs["area"].astype(np.int64)
+            inside = (dev < sm.n_devices) & (area < sm.n_areas)
+            counts = np.array(sm.counts, dtype=np.int64).reshape(sm.n_devices, sm.n_areas)
+            inside[inside] &= recs["slot"][inside].astype(np.int64) < counts[dev[inside], area[inside]]
+            ok &= ~regs | inside
+        return ok
 
     def _queue_answer(self, peer: int, from_seq: int, epoch: int) -> None:
         tail = self.log.since(from_seq) if epoch == self.epoch else None

@@ -1,11 +1,12 @@
 """The page-buffer arena: 4 KiB-aligned buffers that clients, supervisor and workers share.
 
-Layout of the arena segment (``n`` buffers of ``4096 + page_size`` bytes)::
+Layout of the arena segment (``n`` buffers of ``4096 + page_size`` bytes, then their states)::
 
     buffer i at offset i * (4096 + page_size):
         [0, 4096)                 slot header block (written by the I/O worker)
         [4096, 4096 + page_size)  page payload (written by the client for a put,
                                   by the device for a get)
+    states at n * (4096 + page_size): n x u32, rounded up to 64 bytes
 
 One buffer is exactly one slot's bytes on the device, so a put or a get is a
 single O_DIRECT I/O straight between the device and this memory: no copy.
@@ -92,6 +93,16 @@ class Arena:
     def states_nbytes(count: int) -> int:
         """Bytes of the state array for ``count`` buffers (rounded to 64)."""
         return (count * 4 + 63) // 64 * 64
+
+    @staticmethod
+    def states_offset(count: int, page_size: int) -> int:
+        """Offset of the state array in the arena segment."""
+        return count * buffer_size(page_size)
+
+    @staticmethod
+    def nbytes(count: int, page_size: int) -> int:
+        """Size of an arena segment of ``count`` buffers of ``page_size`` pages, states included."""
+        return count * buffer_size(page_size) + Arena.states_nbytes(count)
 
     def address(self, i: int) -> Any:
         """``char *`` to buffer ``i`` (header block first)."""

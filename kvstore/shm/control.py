@@ -1,17 +1,18 @@
-"""The control segment's layout: what the supervisor, its workers and its clients all map.
+"""The control segment's layout: what the supervisor and its workers write and clients only read.
 
 In order, each part starting on a 64-byte boundary (docs/FORMAT.md "Control segment")::
 
     slot table      slots x 48 B       (shm/slots.py; the supervisor writes)
     index head      64 B: u64 seq      (odd while the key index is rebuilt; shm/index.py)
     key index       capacity x 8 B     (shm/index.py; the supervisor writes)
-    reference bits  slots x 1 B        (CLOCK: set by whoever finds a page, cleared by the allocator)
-    arena states    arena_count x u32  (shm/arena.py; each buffer's current owner writes)
-    connections     max_clients x 16 B (CONN_DTYPE; the supervisor writes, the I/O workers
-                                        read it to find the connections they serve reads for)
+    reference bits  slots x 1 B        (CLOCK: set by the I/O workers for each page a client
+                                        read, by the supervisor for its own reads; cleared
+                                        by the allocator)
 
-Every process computes it from the slot count, the arena size and the number of
-connections alone, so the hello only has to carry those numbers.
+Clients map it read-only (with ``service.access_group``, the segment is group-readable, not
+group-writable: the kernel refuses a client of another user a writable mapping), so what the
+workers check a direct read against is the service's word. Every process computes the layout
+from the slot count alone, so the hello only has to carry that number.
 """
 
 from __future__ import annotations
@@ -21,18 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .arena import Arena
 from .index import ENTRY_DTYPE, INDEX_HEAD_BYTES, index_capacity
 from .slots import SLOT_DTYPE, slot_table
-
-
-#: one connection as the I/O workers see it
-CONN_DTYPE = np.dtype([
-    ("gen", "<u8"),          # the connection's generation (unique per service run); 0: none
-    ("lease_start", "<u4"),  # first arena buffer of its lease
-    ("lease_count", "<u4"),  # buffers in its lease
-])
-assert CONN_DTYPE.itemsize == 16
 
 
 def _up64(n: int) -> int:
@@ -51,25 +42,16 @@ class ControlLayout:
     """Entries in the key index (``index_capacity``: 7/4 of the slots)."""
     ref_offset: int
     """Offset of the reference bits, one byte per slot."""
-    states_offset: int
-    """Offset of the arena buffer states."""
-    conns_offset: int
-    """Offset of the connection table."""
-    max_clients: int
-    """Entries in the connection table."""
     nbytes: int
     """Size of the segment."""
 
     @classmethod
-    def of(cls, slots: int, arena_count: int, max_clients: int) -> ControlLayout:
-        """The layout for ``slots`` slots, an arena of ``arena_count`` buffers and ``max_clients``
-        connections."""
+    def of(cls, slots: int) -> ControlLayout:
+        """The layout for ``slots`` slots."""
         cap = index_capacity(slots)
         idx = _up64(slots * SLOT_DTYPE.itemsize)
         ref = _up64(idx + INDEX_HEAD_BYTES + cap * ENTRY_DTYPE.itemsize)
-        states = _up64(ref + slots)
-        conns = states + Arena.states_nbytes(arena_count)
-        return cls(slots, idx, cap, ref, states, conns, max_clients, conns + _up64(max_clients * CONN_DTYPE.itemsize))
+        return cls(slots, idx, cap, ref, _up64(ref + slots))
 
     def slot_table(self, buf: Any) -> np.ndarray[Any, Any]:
         """The slot table in ``buf``."""
@@ -87,7 +69,3 @@ class ControlLayout:
     def ref_bits(self, buf: Any) -> np.ndarray[Any, Any]:
         """The reference bits in ``buf``."""
         return np.frombuffer(buf, dtype=np.uint8, count=self.slots, offset=self.ref_offset)
-
-    def connections(self, buf: Any) -> np.ndarray[Any, Any]:
-        """The connection table in ``buf``."""
-        return np.frombuffer(buf, dtype=CONN_DTYPE, count=self.max_clients, offset=self.conns_offset)

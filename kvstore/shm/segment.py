@@ -33,17 +33,21 @@ def name_prefix(home: Path, store: str, server: str) -> str:
 class Segment:
     """A mapped POSIX shm segment. Invariant: ``buf`` stays mapped until ``close()``."""
 
-    def __init__(self, name: str, size: int, *, create: bool, mode: int = 0o600, group: int | None = None) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, mode: int = 0o600, group: int | None = None,
+                 readonly: bool = False) -> None:
         self.name = name
         flags = posix_ipc.O_CREX if create else 0
-        shm = posix_ipc.SharedMemory("/" + name, flags, mode=mode, size=size if create else 0)
+        shm = posix_ipc.SharedMemory("/" + name, flags, mode=mode, size=size if create else 0,
+                                     read_only=readonly and not create)
         try:
             if create:  # exact mode (shm_open applies the umask) and the configured group
                 os.fchmod(shm.fd, mode)
                 if group is not None:
                     os.fchown(shm.fd, -1, group)
             self.size = shm.size
-            self.buf: mmap.mmap = mmap.mmap(shm.fd, shm.size)
+            # read-only: opened O_RDONLY and mapped PROT_READ, so the kernel refuses any write
+            self.buf: mmap.mmap = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ if readonly else
+                                            mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             shm.close_fd()
         self.owner = create
@@ -56,9 +60,11 @@ class Segment:
         return cls(name, size, create=True, mode=mode, group=group)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Map an existing segment; raises ``posix_ipc.ExistentialError`` if it is gone."""
-        return cls(name, 0, create=False)
+    def attach(cls, name: str, readonly: bool = False) -> Segment:
+        """Map an existing segment (``readonly``: opened and mapped for reading only); raises
+        ``posix_ipc.ExistentialError`` if it is gone, ``posix_ipc.PermissionsError`` if this
+        process may not open it so."""
+        return cls(name, 0, create=False, readonly=readonly)
 
     def close(self) -> None:
         """Unmap (views into ``buf`` must be released first; otherwise the map is left to GC)."""

@@ -121,6 +121,11 @@ class ServiceCounters:
     """Client requests answered as cancelled (the client had timed out)."""
     handshakes_dropped: int = 0
     """Connections dropped during the hello: too slow, too large, malformed or too many at once."""
+    direct_refused: int = 0
+    """Direct-read records the I/O workers refused: a key that is not the slot's, fields out of
+    range, an impossible ring tail (nothing is read for them)."""
+    clients_refused: int = 0
+    """Clients disconnected for a refused direct-read record."""
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,7 @@ def run(slots: int, fill: int, base: Path) -> dict:
                     lead = c.lookup(chain)
                     prefix.append(time.perf_counter() - t)
                     assert lead == 100, lead
-            lay = ControlLayout.of(slots, 1000, 1)
+            lay = ControlLayout.of(slots)
             shm = lay.ref_offset + slots  # slot table, index, reference bits (the arena states excluded)
             rss = {"supervisor_mib": rss_kib(svc.pid) / 1024,
                    "workers_mib": [rss_kib(p) / 1024 for p in svc.worker_pids()]}

@@ -33,7 +33,7 @@ def _fill(slots: np.ndarray, gid: int, w: np.ndarray) -> None:
 @given(st.lists(st.tuples(st.sampled_from(["ins", "retire", "rebuild"]), st.integers(0, N - 1)), max_size=150),
        st.booleans())
 def test_reader_agrees_with_the_writer(ops: list[tuple[str, int]], collide: bool) -> None:
-    lay = ControlLayout.of(N, 4, 1)
+    lay = ControlLayout.of(N)
     buf = bytearray(lay.nbytes)
     slots = lay.slot_table(buf)
     ix = KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf))
@@ -66,7 +66,7 @@ def test_one_pass_lookup_of_keys_agrees_with_digests_then_lookup(keys: list[byte
     for keys of every length (one block, several blocks), batches that are not whole groups, and
     the prefix mode that stops after the first miss."""
     n_slots = max(len(keys), 1)
-    lay = ControlLayout.of(n_slots, 4, 1)
+    lay = ControlLayout.of(n_slots)
     buf = bytearray(lay.nbytes)
     slots = lay.slot_table(buf)
     ix = KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf))
@@ -111,7 +111,7 @@ def test_rebuild_in_another_process_never_shows_as_a_miss(one_pass: bool) -> Non
     probe of digests or the one-pass lookup of keys (full and prefix); the same reader without
     the seqlock does (so the race is really there)."""
     n = 20_000
-    lay = ControlLayout.of(n, 4, 1)
+    lay = ControlLayout.of(n)
     buf = mmap.mmap(-1, lay.nbytes)  # MAP_SHARED|MAP_ANONYMOUS: shared with the child
     slots = lay.slot_table(buf)
     keys = [b"key/%d" % i for i in range(n)]
@@ -188,7 +188,7 @@ def test_inserts_in_another_process_never_hide_a_present_key() -> None:
     an insert that may take a garbage entry on a present key's probe path (or rebuild the table at
     3/4 use). A reader looking up the keys that stay must find every one, every time."""
     n, stable = 4096, 1024
-    lay = ControlLayout.of(n, 4, 1)
+    lay = ControlLayout.of(n)
     buf = mmap.mmap(-1, lay.nbytes)
     slots = lay.slot_table(buf)
     ix = KeyIndex(lay.index_entries(buf), slots, init=True, seq=lay.index_seq(buf))
