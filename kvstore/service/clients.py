@@ -200,14 +200,16 @@ class Clients:
             if conn.ops == 0 and self._direct_settled(conn):
                 self.drop(conn)
 
-    def refuse(self, cid: int, generation: int) -> None:
-        """A worker refused a direct-read record of connection ``cid`` (one no honest client
-        writes): disconnect it; it is dropped like any gone client."""
+    def refuse(self, cid: int, generation: int,
+               why: str = "a direct-read record no honest client writes") -> None:
+        """Connection ``cid`` (of that generation's low 32 bits) wrote what no honest client
+        writes (a worker refused its direct-read record, or its request ring is impossible):
+        disconnect it; it is dropped like any gone client, and costs nobody else anything."""
         conn = self.conns.get(cid)
         if conn is None or conn.generation & 0xFFFFFFFF != generation or not conn.alive:
             return
         self.stats.add("clients_refused")
-        self.log.warning("client posted a direct read no honest client writes; disconnected", client=cid,
+        self.log.warning("client refused and disconnected", reason=why, client=cid,
                          pid=conn.pid, uid=conn.cred.uid, tenant=conn.tenant)
         conn.alive = False
         try:

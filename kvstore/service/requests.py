@@ -32,6 +32,7 @@ from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRIT
                                   ST_WORKER_LOST)
 from ..shm import arena as A
 from ..shm.arena import Arena
+from ..shm.ring import RingCorrupt
 from ..shm.index import KeyIndex
 from ..shm.slots import RETIRED, VALID, SlotMap
 from ..shm.stats import StatsBlock
@@ -117,7 +118,10 @@ class Requests:
             if not conn.alive or conn.busy is not None:
                 continue
             try:
-                m = conn.chan.requests.get_nowait()
+                m = conn.chan.requests.get_checked()
+            except RingCorrupt as e:  # the client wrote garbage into its own ring: it goes
+                self.s.clients.refuse(conn.id, conn.generation & 0xFFFFFFFF, str(e))
+                continue
             except Exception:
                 continue
             n += 1

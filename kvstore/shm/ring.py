@@ -30,6 +30,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import WouldBlock
+
+
+class RingCorrupt(ValueError):
+    """The producer's ``tail`` is impossible: behind the consumer's own head, or more than the
+    capacity ahead of it (a producer that writes garbage into its own ring)."""
 from ..ioworkers.aio import FFI, LIB
 
 HEAD_OFF = 0
@@ -68,6 +73,7 @@ class Ring:
         self._recs = np.frombuffer(buf, dtype=dtype, count=capacity, offset=offset + DATA_OFF)
         self._keep = base  # keeps the cffi buffer reference alive
         self._empty: np.ndarray[Any, Any] = self._recs[:0].copy()
+        self._mine: int | None = None  # get_checked: the consumer's own head
 
     @staticmethod
     def nbytes(capacity: int, dtype: np.dtype[Any]) -> int:
@@ -143,6 +149,27 @@ class Ring:
             raise WouldBlock("ring is empty")
         rec = self._recs[head & self._mask].copy()
         LIB.kv_store_release_u64(self._head, head + 1)
+        return rec
+
+    def get_checked(self) -> Any:
+        """Remove and return the oldest record (a copy), for a consumer that does not trust the
+        producer: the head is kept here (the shared word is only published), and the tail is
+        checked against it.
+
+        Raises:
+            WouldBlock: the ring is empty.
+            RingCorrupt: the tail is impossible; nothing is read.
+        """
+        if self._mine is None:
+            self._mine = int(LIB.kv_load_acquire_u64(self._head))
+        n = (int(LIB.kv_load_acquire_u64(self._tail)) - self._mine) % (1 << 64)
+        if n == 0:
+            raise WouldBlock("ring is empty")
+        if n > self.capacity:
+            raise RingCorrupt(f"ring tail {n} records ahead of the head (capacity {self.capacity})")
+        rec = self._recs[self._mine & self._mask].copy()
+        self._mine += 1
+        LIB.kv_store_release_u64(self._head, self._mine)
         return rec
 
     def get_batch(self, max_n: int) -> np.ndarray[Any, Any]:

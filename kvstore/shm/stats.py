@@ -125,7 +125,8 @@ class ServiceCounters:
     """Direct-read records the I/O workers refused: a key that is not the slot's, fields out of
     range, an impossible ring tail (nothing is read for them)."""
     clients_refused: int = 0
-    """Clients disconnected for a refused direct-read record."""
+    """Clients disconnected for writing what no honest client writes (a refused direct-read
+    record, an impossible request-ring tail)."""
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,9 @@ from pathlib import Path
 
 from kvstore.crdt.log import SYNC_REC
 from kvstore.crdt.register import REGISTER_DTYPE
-from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST
+from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST, WCONN as CONN_DTYPE
 from kvstore.service.protocol import DESC_HEAD, DIRECT_REQ, REQ
 from kvstore.service.checkpoint import HEAD_DTYPE
-from kvstore.shm.control import CONN_DTYPE
 from kvstore.shm.index import ENTRY_DTYPE
 from kvstore.shm.slots import SLOT_DTYPE
 from kvstore.storage import header, superblock
