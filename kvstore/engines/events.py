@@ -19,7 +19,9 @@ each, and ends with ``(b"", -1 as 8 bytes, b"")``, as vLLM's publisher does.
 What the store cannot tell a router: the token ids (it stores only salted
 key digests). ``block_hashes`` are those digests; a router computes them for
 its prompts with ``block_hash(salt, page_key)`` (``kvstore.keys`` gives the
-page keys, the store config the salt), so it needs no token ids.
+page keys; the salt is the tenant's, ``StoreConfig.tenant_salt(tenant).hex()``,
+which the administrator hands the router: the store salt itself is never a
+digest key), so it needs no token ids.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def block_hash(salt_hex: str, page_key: bytes) -> bytes:
-    """The ``block_hashes`` entry the store publishes for a page key."""
+    """The ``block_hashes`` entry the store publishes for a page key of the tenant whose salt
+    (``StoreConfig.tenant_salt(tenant)``, as hex) is ``salt_hex``."""
     return hashlib.blake2b(key_id(page_key), digest_size=32, key=bytes.fromhex(salt_hex)).digest()
 
 

@@ -155,11 +155,11 @@ class Clients:
         # the workers serve its direct reads from now on (the segment and semaphore exist), under
         # what this table says: lease and tenant salt first, the generation last
         for w in self.workers:
-            e = w.rings.conns
-            e["lease_start"][cid], e["lease_count"][cid] = start, nb
-            e["salt"][cid] = np.frombuffer(salt, dtype=np.uint8)
+            table = w.rings.conns
+            table["lease_start"][cid], table["lease_count"][cid] = start, nb
+            table["salt"][cid] = np.frombuffer(salt, dtype=np.uint8)
             LIB.kv_fence()
-            e["gen"][cid] = self.generation
+            table["gen"][cid] = self.generation
         try:
             s.send(P.encode_frame({
                 **self.hello, "v": P.VERSION, "ok": True, "client_id": cid, "max_batch": nb, "lease_start": start,

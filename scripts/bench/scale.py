@@ -68,7 +68,7 @@ def fill_headers(dev: str, home: Path, count: int) -> list[bytes]:
     cfg = load_store("s", home)
     sb = read_superblock(dev)
     area = sb.areas[0]
-    salt = bytes.fromhex(cfg.salt)
+    salt = cfg.tenant_salt("")  # the default tenant's
     keys = [b"scale/%d" % i for i in range(count)]
     fd = os.open(dev, os.O_WRONLY)
     block = bytearray(4096)

@@ -72,7 +72,7 @@ def test_stored_removed_and_replay(home: Path, file_devices: Any, services: Any)
     make_store(home, "ev", devs, PS, events={"local": f"127.0.0.1:{port}"},
                service=ServiceConfig(client_buffers=8, max_clients=2))
     services(home, "ev")
-    salt = load_store("ev", home).salt
+    salt = load_store("ev", home).tenant_salt("").hex()  # the default tenant's
     ctx: zmq.Context[Any] = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -62,9 +62,10 @@ def test_lookup_reports_a_dead_service(file_devices: Any, home: Path, services: 
         c.close()
 
 
-def test_looked_up_pages_outlive_others_under_eviction(file_devices: Any, home: Path, services: Any) -> None:
-    """A hit in the client sets the slot's reference bit in shared memory, which the service's CLOCK
-    reads: pages looked up survive a wave of writes that evicts the pages around them."""
+def test_pages_read_outlive_others_under_eviction(file_devices: Any, home: Path, services: Any) -> None:
+    """A page a client reads gets its slot's reference bit set (by the I/O worker that served the
+    direct read: clients write nothing of the service's), which the service's CLOCK reads: pages
+    read survive a wave of writes that evicts the pages around them."""
     make_store(home, "le", file_devices.make(1, dev_size(64)), PS, service=ServiceConfig(client_buffers=32))
     svc = services(home, "le")
     n = stats(svc).service.own_slots
@@ -75,7 +76,9 @@ def test_looked_up_pages_outlive_others_under_eviction(file_devices: Any, home: 
         # one more page: the first eviction sweeps the whole area once, clearing every reference bit
         assert c.put([b"one more"], [page_bytes(b"one more", PS)], wait=True).stored == 1
         hot, near = fill[2:10], fill[10:10 + n // 4]  # the hand stands before both now
-        assert c.lookup(hot) == 8  # answered in the client: sets the hot pages' reference bits
+        assert c.lookup(hot) == 8
+        with c.get(hot) as got:  # read directly: the worker sets the hot pages' reference bits
+            assert got.hits == 8
         for i in range(0, len(wave), 16):
             c.put(wave[i:i + 16], [page_bytes(k, PS) for k in wave[i:i + 16]], wait=True)
         assert c.contains(hot) == [True] * 8

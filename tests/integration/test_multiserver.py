@@ -227,7 +227,7 @@ def test_malformed_truncated_and_forged_messages_are_dropped(home: Path, file_de
 
         from kvstore.digests import key_id
 
-        digest = hashlib.blake2b(key_id(b"lure"), digest_size=32, key=bytes.fromhex(cfg.salt)).digest()
+        digest = hashlib.blake2b(key_id(b"lure"), digest_size=32, key=cfg.tenant_salt("")).digest()
         lure = regs(1, 3, 1)
         lure["d0"], lure["d1"], lure["d2"], lure["d3"] = np.frombuffer(digest, "<u8")
         good = encode("d", 1, 1, 0, lure)

@@ -36,6 +36,9 @@ def test_grace_on_a_full_area_keeps_serving_with_remote_readers(home: Path, file
     first = keys_of("g0", 40)
     with KVCacheClient.connect("g", server="a", home=home) as c:
         assert c.put(first, [page_bytes(k, ps) for k in first], wait=True).stored == 40
+    # the gauge is computed once a second: read ``low`` only once it counts the full area (it
+    # read 0, never computed yet, in about one run of two before)
+    assert wait_for(lambda: stats(sa).service.own_slots_valid == 40)
     stop = threading.Event()
     tally = {"hits": 0, "misses": 0, "wrong": 0}
     written: list[bytes] = list(first)
@@ -76,7 +79,8 @@ def test_grace_on_a_full_area_keeps_serving_with_remote_readers(home: Path, file
 def test_writes_waiting_behind_sustained_reads_do_not_get_the_worker_killed(home: Path, file_devices: Any,
                                                                              services: Any) -> None:
     """io_timeout_s is 0.3 s; three processes read without pause for 5 s while a trickle of writes
-    waits behind them in the ring (reads go first). The worker is healthy: nobody kills it."""
+    waits behind them in the ring (reads go first; writes get a share after 2 ms). The worker is
+    healthy: nobody kills it, and every put is stored."""
     ps = 256 << 10
     (dev,) = file_devices.make(1, (1 << 20) + 400 * (4096 + ps))
     make_store(home, "h", [dev], ps, service=ServiceConfig(client_buffers=32, max_clients=8),
@@ -115,6 +119,9 @@ def test_writes_waiting_behind_sustained_reads_do_not_get_the_worker_killed(home
         outs = [p.communicate(timeout=60)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sum(int(o.strip() or 0) for o in outs) > 1000          # reads really were sustained
-    assert slowest > 0.3, slowest            # a write did wait behind reads longer than io_timeout_s
-    assert stored >= 1
+    # writes wait behind reads, but get a share after 2 ms (a client that keeps the read rings
+    # busy must not stop every put): every trickled put was stored, none was dropped, and no
+    # worker was taken for hung while writes waited
+    assert stored == i, (stored, i)
+    print(f"slowest put behind sustained reads: {slowest * 1e3:.1f} ms")
     assert stats(svc).service.worker_restarts == 0

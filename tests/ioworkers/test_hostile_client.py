@@ -1,0 +1,291 @@
+"""The direct-read protocol against a hostile client, in process: a state machine (hypothesis).
+
+A real I/O worker (``Worker``, its compiled turn, a file as the device) serves two connections:
+alpha, honest, which reads its own pages as ``KVCacheClient`` does, and beta, which writes
+anything into what it may write (its ring's head and tail words, any record, its lease's
+buffer states, pins and sequence words). Whatever beta does:
+
+* beta gets a page only if it is beta's own (its key, salted with beta's salt, is the slot's);
+* alpha's reads keep returning exactly alpha's pages, and nothing of alpha's lease changes
+  under it;
+* the worker never writes the slot table, never reads outside the lease of the connection it
+  serves, and its ``busy`` counts never go negative and come back to 0 once it is quiet;
+* a refused connection is served no more.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstore.digests import key_digests
+from kvstore.ioworkers.aio import LIB
+from kvstore.ioworkers.protocol import ST_REFUSED, WorkerRings
+from kvstore.ioworkers.worker import Worker, WorkerParams
+from kvstore.service import protocol as P
+from kvstore.shm import arena as A
+from kvstore.shm.control import ControlLayout
+from kvstore.shm.segment import Segment, create_semaphore, unlink_semaphore
+from kvstore.shm.slots import VALID, SlotMap
+from kvstore.shm.stats import StatsBlock, stats_nbytes
+from kvstore.storage.header import SlotHeader, payload_checksum
+
+PS = 4096
+BSIZE = 4096 + PS
+SLOTS = 8           # per area; area 0 is ours, area 1 another server's
+MB = 4              # buffers per lease
+SALT_A, SALT_B = os.urandom(32), os.urandom(32)
+GEN_A, GEN_B = 7, 9
+
+
+def _page(key: bytes) -> bytes:
+    return (key * (PS // len(key) + 1))[:PS]
+
+
+class HostileClient(RuleBasedStateMachine):
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w: Worker | None = None
+
+    @initialize()
+    def build(self) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.prefix = f"kvs.hostile{tag}."
+        self.dev = Path(f"/tmp/kvs-hostile-{tag}.img")
+        self.smap = SlotMap([[SLOTS, SLOTS]])
+        self.lay = ControlLayout.of(self.smap.total)
+        self.segs: list[Segment] = []
+        self.sems: list[str] = []
+
+        def seg(what: str, size: int) -> Segment:
+            s = Segment.create(self.prefix + what, size)
+            self.segs.append(s)
+            return s
+
+        def sem(what: str) -> None:
+            create_semaphore(self.prefix + what).close()
+            self.sems.append(self.prefix + what)
+
+        self.ctl = seg("control", self.lay.nbytes)
+        self.slots = self.lay.slot_table(self.ctl.buf)
+        self.arena_seg = seg("arena", A.Arena.nbytes(2 * MB, PS))
+        self.arena = A.Arena(self.arena_seg.buf, self.arena_seg.buf, A.Arena.states_offset(2 * MB, PS), 2 * MB, PS)
+        self.wseg = seg("w0", WorkerRings.nbytes(2))
+        self.rings = WorkerRings(self.wseg.buf, 2)
+        stats = seg("stats", stats_nbytes(1))
+        StatsBlock(stats.buf, 1, init=True)
+        sem("bell")
+        sem("w0")
+        # the device: alpha's pages in slots 0..3 of area 1 (another server's), beta's in 4..5
+        area_off = (1 << 20, (1 << 20) + SLOTS * BSIZE)
+        self.uuid = uuid.uuid4().bytes
+        with open(self.dev, "wb") as f:
+            f.truncate(area_off[1] + SLOTS * BSIZE)
+        self.keys: dict[int, tuple[bytes, bytes, bytes]] = {}  # gid -> (key, key id, owner)
+        with open(self.dev, "r+b") as f:
+            for slot in range(6):
+                owner, salt, gen = (b"A", SALT_A, GEN_A) if slot < 4 else (b"B", SALT_B, GEN_B)
+                key = b"%s/page/%d" % (owner, slot)
+                ids, words = key_digests([key], salt)
+                assert words is not None
+                digest = words[0].tobytes()
+                page = _page(key)
+                h = SlotHeader(self.uuid, 0, 1, slot, gen, digest, PS, payload_checksum(page)).encode()
+                f.seek(area_off[1] + slot * BSIZE)
+                f.write(h + bytes(4096 - len(h)) + page)
+                gid = self.smap.gid(0, 1, slot)
+                e = self.slots[gid]
+                e["gen"], e["length"], e["state"] = gen, PS, VALID
+                for i in range(4):
+                    e[f"d{i}"] = words[0][i]
+                self.keys[gid] = (key, ids[0].tobytes(), owner)
+        self.table_before = self.slots.copy()
+        # two connections: alpha (cid 0, lease 0..3) and beta (cid 1, lease 4..7)
+        self.chans: list[P.ClientChannel] = []
+        for cid, salt in ((0, SALT_A), (1, SALT_B)):
+            c = seg(f"c{cid}", P.ClientChannel.nbytes(MB, 1))
+            sem(f"c{cid}.s")
+            ch = P.ClientChannel(c.buf, MB, 1)
+            ch.pins[:] = -1
+            self.chans.append(ch)
+            e = self.rings.conns
+            e["lease_start"][cid], e["lease_count"][cid] = cid * MB, MB
+            e["salt"][cid] = np.frombuffer(salt, dtype=np.uint8)
+            e["gen"][cid] = 100 + cid
+        for i in range(2 * MB):
+            self.arena.set_state(i, A.CLIENT)
+        p = WorkerParams(
+            device_path=str(self.dev), device_index=0, store_uuid=self.uuid, page_size=PS,
+            arena_name=self.prefix + "arena", arena_count=2 * MB, control_name=self.prefix + "control",
+            states_offset=A.Arena.states_offset(2 * MB, PS), worker_segment=self.prefix + "w0",
+            stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=self.prefix + "w0",
+            read_depth=8, max_inflight_writes=2, direct=False, max_clients=2, conn_prefix=self.prefix + "c",
+            n_devices=1, slot_size=BSIZE, area_offsets=area_off, area_slots=(SLOTS, SLOTS), own_area=0,
+            area_gids=tuple(self.smap.bases[0]), ref_offset=self.lay.ref_offset)
+        self.w = Worker(p)
+        self.w._poll_conns()
+        self.seq = [1, 1]
+        self.beta_gen = 101
+        self.beta_refused = False
+        self.alpha_bytes = self._alpha_lease()
+
+    def teardown(self) -> None:
+        if self.w is not None:
+            while self.w.w.outstanding:
+                self.w._reap(1, 1.0)
+            self.w.close()
+        for s in getattr(self, "segs", []):
+            s.close()
+            s.unlink()
+        for n in getattr(self, "sems", []):
+            unlink_semaphore(n)
+        if hasattr(self, "dev"):
+            self.dev.unlink(missing_ok=True)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _alpha_lease(self) -> bytes:
+        return bytes(self.arena_seg.buf[0:MB * BSIZE])
+
+    def _quiesce(self) -> None:
+        assert self.w is not None
+        for _ in range(200):
+            self.w._poll_conns()
+            n = LIB.kv_wk_turn(self.w.w)
+            self.w._after()
+            if self.w.w.outstanding:
+                self.w._reap(1, 0.5)
+            elif not n:
+                break
+
+    def _post(self, cid: int, b: int, area: int, slot: int, gen: int, ident: bytes) -> int:
+        ch = self.chans[cid]
+        seq = self.seq[cid]
+        self.seq[cid] += 1
+        rec = np.zeros(1, dtype=P.DIRECT_REQ)
+        rec["seq"], rec["buf"], rec["area"], rec["slot"], rec["gen"] = seq, b, area, slot, gen
+        words = np.frombuffer(ident, dtype="<u8")
+        for i in range(4):
+            rec[f"d{i}"] = words[i]
+        ch.dseq[b % MB] = seq
+        ch.direct[0].put_many(rec) if ch.direct[0].free() > 0 else None
+        return seq
+
+    # ---- alpha: honest ------------------------------------------------------------------------
+    @rule(slot=st.integers(0, 3), b=st.integers(0, MB - 1))
+    def alpha_reads(self, slot: int, b: int) -> None:
+        gid = self.smap.gid(0, 1, slot)
+        key, ident, _ = self.keys[gid]
+        ch = self.chans[0]
+        ch.pins[b] = gid
+        self.arena.set_state(b, A.tagged(A.DIRECT, 100))
+        seq = self._post(0, b, 1, slot, GEN_A, ident)
+        self._quiesce()
+        assert self.arena.state(b) == A.CLIENT and ch.done_seq(b) == seq
+        assert int(ch.wstat[b]) == 0, "alpha's own page must be served"
+        assert bytes(self.arena.payload(b)) == _page(key)
+        self.alpha_bytes = self._alpha_lease()
+
+    # ---- beta: hostile ------------------------------------------------------------------------
+    @rule(b=st.sampled_from([0, 1, 2, 3, 0, 1, 2, 3, 4, 65535]), area=st.sampled_from([1, 1, 1, 0, 3]),
+          slot=st.integers(0, 5) | st.integers(0, 12), gen=st.sampled_from([GEN_A, GEN_B, GEN_A, GEN_B, 0, 1 << 63]),
+          ident=st.sampled_from(["alpha-id", "alpha-digest", "beta-id", "random"]),
+          state=st.sampled_from(["direct", "direct", "direct", "reading", "client", "garbage"]))
+    def beta_posts(self, b: int, area: int, slot: int, gen: int, ident: str, state: str) -> None:
+        gid_a = self.smap.gid(0, 1, slot % 4)
+        if ident == "alpha-id":
+            raw = self.keys[gid_a][1]
+        elif ident == "alpha-digest":
+            raw = self.slots[gid_a][["d0", "d1", "d2", "d3"]].tobytes()
+        elif ident == "beta-id":
+            raw = self.keys[self.smap.gid(0, 1, 4 + slot % 2)][1]
+        else:
+            raw = os.urandom(32)
+        lb = b % MB
+        g = self.beta_gen
+        st_word = {"direct": A.tagged(A.DIRECT, g), "reading": A.tagged(A.READING, g), "client": A.CLIENT,
+                   "garbage": 0xDEADBEEF}[state]
+        self.arena.set_state(MB + lb, st_word)  # beta's own lease
+        self.chans[1].pins[lb] = gid_a
+        self._post(1, b & 0xFFFF, area, slot, gen, raw)
+
+    @precondition(lambda self: self.w is not None and self.w.w.refused > 0)
+    @rule()
+    def beta_reconnects(self) -> None:
+        """Refused and dropped, beta comes back as a new connection (the supervisor's part:
+        the worker lets go of the old one, then serves a new generation at the same id)."""
+        assert self.w is not None
+        self._quiesce()
+        self.rings.conns["gen"][1] = 0
+        self._quiesce()
+        ch = self.chans[1]
+        for r in ch.direct:
+            r.reset()
+        ch.pins[:] = -1
+        for i in range(MB, 2 * MB):
+            self.arena.set_state(i, A.CLIENT)
+        self.beta_gen += 1
+        self.rings.conns["gen"][1] = self.beta_gen
+        self.w._poll_conns()
+
+    @rule(head=st.integers(0, (1 << 64) - 1),
+          delta=st.sampled_from([0, 1, -1, 4, 5, 1 << 62]) | st.integers(0, (1 << 64) - 1))
+    def beta_scribbles_ring_words(self, head: int, delta: int) -> None:
+        """Any head (the worker keeps its own), a tail from just right to impossible."""
+        r = self.chans[1].direct[0]
+        assert self.w is not None
+        mine = int(self.w._by_slot[self.w.conns[1].k].c.head)
+        LIB.kv_store_release_u64(r._head, head)
+        LIB.kv_store_release_u64(r._tail, (mine + delta) % (1 << 64))
+
+    @rule()
+    def turn(self) -> None:
+        self._quiesce()
+
+    # ---- what must hold -----------------------------------------------------------------------
+    @invariant()
+    def beta_gets_only_its_own(self) -> None:
+        if self.w is None:
+            return
+        self._quiesce()
+        ch = self.chans[1]
+        for lb in range(MB):
+            if int(ch.wseq[lb]) and int(ch.wstat[lb]) == 0:
+                data = bytes(self.arena.payload(MB + lb))
+                assert data in (_page(b"B/page/4"), _page(b"B/page/5")), "beta was served a page not its own"
+            if int(ch.wstat[lb]) == ST_REFUSED:
+                self.beta_refused = True
+
+    @invariant()
+    def alpha_and_the_tables_are_untouched(self) -> None:
+        if self.w is None:
+            return
+        assert self._alpha_lease() == self.alpha_bytes
+        assert np.array_equal(self.slots, self.table_before), "the worker wrote the slot table"
+        busy = self.rings.conns["busy"]
+        assert (busy >= 0).all()
+        if not self.w.w.outstanding:
+            assert (busy == 0).all(), busy
+
+    @precondition(lambda self: self.w is not None)
+    @invariant()
+    def a_refused_client_is_served_no_more(self) -> None:
+        assert self.w is not None
+        c = self.w._by_slot[self.w.conns[1].k].c
+        if c.refused:  # nothing more of its ring is taken: posting leaves it pending
+            before = int(c.head)
+            self.beta_posts(0, 1, 4, GEN_B, "beta-id", "direct")
+            self._quiesce()
+            assert int(c.head) == before
+
+
+TestHostileClient = HostileClient.TestCase
+TestHostileClient.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                                      suppress_health_check=list(HealthCheck))
