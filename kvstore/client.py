@@ -242,7 +242,7 @@ class KVCacheClient:
     """
 
     def __init__(self, sock: socket.socket, hello: dict[str, Any], timeout: float,
-                 poll_s: float = 0.0) -> None:
+                 poll_s: float = 0.0, seg_fd: int = -1) -> None:
         self._sock = sock
         self.timeout = timeout
         self._poll_s = poll_s
@@ -257,27 +257,31 @@ class KVCacheClient:
         self.max_batch: int = hello["max_batch"]
         """Most keys per ``get`` (``put`` and ``lookup`` split larger batches)."""
         self._service_pid: int = hello["service_pid"]
-        self._seg = Segment.attach(hello["segment"])
-        self._arena_seg = Segment.attach(hello["arena"])
+        # our connection's segment (channel and lease) comes as a file descriptor over the socket:
+        # it is owner-only, no other process of another user can open it by name
+        if seg_fd < 0:
+            raise KVStoreError("the service sent no connection segment (client and service of different "
+                               "kvstore versions?)")
+        self._seg = Segment.adopt(hello["segment"], seg_fd)
         self._control_seg = Segment.attach(hello["control"], readonly=True)  # the service's word: read only
-        if A.Arena.nbytes(hello["arena_count"], self.page_size) > self._arena_seg.size:
+        states_off, buffers_off, size = P.ClientChannel.layout(self.max_batch, len(hello["areas"]), self.page_size)
+        if (size > self._seg.size or hello.get("states_offset") != states_off
+                or hello.get("buffers_offset") != buffers_off):
             raise KVStoreError("the service's shared-memory layout is not this client's "
                                "(client and service of different kvstore versions?)")
-        self._arena = A.Arena(self._arena_seg.buf, self._arena_seg.buf, hello["states_offset"],
-                              hello["arena_count"], self.page_size)
+        self._arena = A.Arena(self._seg.buf, states_off, buffers_off, self.max_batch, self.page_size,
+                              first=hello["lease_start"])
         self._chan = P.ClientChannel(self._seg.buf, self.max_batch, len(hello["areas"]))
         self._sem = attach_semaphore(hello["sem"])
         self._doorbell = attach_semaphore(hello["doorbell"])
         self._lease = range(hello["lease_start"], hello["lease_start"] + hello["lease_count"])
-        self._lease_states = np.frombuffer(self._arena_seg.buf, dtype="<u4", count=hello["lease_count"],
-                                           offset=hello["states_offset"] + 4 * hello["lease_start"])
+        self._lease_states = np.frombuffer(self._seg.buf, dtype="<u4", count=hello["lease_count"], offset=states_off)
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
         self._salt: bytes = hello["salt"]
         lay = ControlLayout.of(hello["slots"])
-        if (hello["states_offset"] != A.Arena.states_offset(hello["arena_count"], self.page_size)
-                or lay.nbytes > self._control_seg.size):
+        if lay.nbytes > self._control_seg.size:
             raise KVStoreError("the service's shared-memory layout is not this client's "
                                "(client and service of different kvstore versions?)")
         cb = self._control_seg.buf
@@ -342,7 +346,7 @@ class KVCacheClient:
             s.settimeout(timeout)
             s.connect(str(path))
             P.send_frame(s, {"v": P.VERSION, "op": "hello", "tenant": tenant})
-            hello = P.recv_frame(s)
+            hello, fds = P.recv_frame_fds(s)
         except (FileNotFoundError, ConnectionRefusedError):
             s.close()
             raise StoreNotFound(f"no service of store {store!r} runs here: start one with "
@@ -350,12 +354,16 @@ class KVCacheClient:
         except (OSError, ValueError, ConnectionError) as e:
             s.close()
             raise ServiceLost(f"handshake with the service of {store!r} failed: {e}") from None
-        if not hello.get("ok"):
+        if not hello.get("ok") or len(fds) != 1:
             s.close()
+            for fd in fds:
+                os.close(fd)
+            if hello.get("ok"):
+                raise ServiceLost(f"handshake with the service of {store!r} failed: no connection segment came")
             if hello.get("kind") == "tenant":
                 raise NotAllowed(f"the service of {store!r} refused the connection: {hello.get('error')}")
             raise KVStoreError(f"the service of {store!r} refused the connection: {hello.get('error')}")
-        return cls(s, hello, timeout, poll_s)
+        return cls(s, hello, timeout, poll_s, fds[0])
 
     def close(self) -> None:
         """Disconnect (idempotent).
@@ -378,7 +386,7 @@ class KVCacheClient:
         for w in self._wakes:
             w.close()
         self._arena.release()
-        for seg in (self._seg, self._arena_seg, self._control_seg):
+        for seg in (self._seg, self._control_seg):
             seg.close()
 
     def __enter__(self) -> KVCacheClient:

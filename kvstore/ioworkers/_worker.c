@@ -73,15 +73,6 @@ static int kv_ring_put(struct kv_ring *r, const void *rec, size_t size) {
     return 1;
 }
 
-/* Copy out the oldest record; 0 if the ring is empty. Only this process consumes ``r``. */
-static int kv_ring_get(struct kv_ring *r, void *rec, size_t size) {
-    uint64_t head = *r->head;
-    if (__atomic_load_n(r->tail, __ATOMIC_ACQUIRE) == head) return 0;
-    memcpy(rec, r->recs + (head & r->mask) * size, size);
-    __atomic_store_n(r->head, head + 1, __ATOMIC_RELEASE);
-    return 1;
-}
-
 /* A client's direct-read ring, read with the worker's own head: the client can write both
    shared words, so the tail is range-checked against that head and the shared head is only
    published for the client's room count. Returns the records waiting, or -1 when the tail is
@@ -147,7 +138,7 @@ static void kv_log_bad(struct kv_worker *w, const struct kv_pend *p, const uint8
 
 /* Header and payload of a read buffer against what was expected (storage/header.py). */
 static int kv_validate(struct kv_worker *w, const struct kv_pend *p) {
-    const uint8_t *h = w->arena + (uint64_t)p->r.buf * w->bsize;
+    const uint8_t *h = p->bufp;
     uint64_t n = p->r.payload_len;
     if (memcmp(h, "KVSTSLOT", 8) != 0 || load64(h + KV_FIELDS_SIZE) != KV_XXH3(h, KV_FIELDS_SIZE)
             || load32(h + 8) != (uint32_t)w->version) {
@@ -165,8 +156,7 @@ static int kv_validate(struct kv_worker *w, const struct kv_pend *p) {
 }
 
 /* The header block of a write: header fields, header checksum, the rest of the block zero. */
-static void kv_prepare_write(struct kv_worker *w, const struct kv_io_request *r) {
-    uint8_t *h = w->arena + (uint64_t)r->buf * w->bsize;
+static void kv_prepare_write(struct kv_worker *w, const struct kv_io_request *r, uint8_t *h) {
     uint64_t n = r->payload_len;
     /* a checksum the client computed while copying the page in is trusted only as far as any
        checksum is: one that does not match the payload makes the page a miss when read */
@@ -219,7 +209,7 @@ static void kv_answer_direct(struct kv_worker *w, struct kv_pend *p, int status,
     c->pins[b] = -1;  /* the page is in the buffer: retiring its slot may go on */
     c->wstat[b] = status;
     __atomic_store_n(&c->wseq[b], p->seq, __ATOMIC_RELEASE);
-    __atomic_store_n(&w->states[p->r.buf], KV_A_CLIENT, __ATOMIC_RELEASE);
+    __atomic_store_n(&c->states[b], KV_A_CLIENT, __ATOMIC_RELEASE);
     c->inflight--;
     __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
     if (!c->inflight && kv_conn_len(c) <= 0 && !c->wake) {
@@ -243,7 +233,7 @@ static void kv_answer_now(struct kv_worker *w, int32_t ci, uint32_t b, uint64_t 
     c->pins[b] = -1;
     c->wstat[b] = status;
     __atomic_store_n(&c->wseq[b], seq, __ATOMIC_RELEASE);
-    __atomic_store_n(&w->states[c->lease_start + b], KV_A_CLIENT, __ATOMIC_RELEASE);
+    __atomic_store_n(&c->states[b], KV_A_CLIENT, __ATOMIC_RELEASE);
     __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
     if (!c->inflight && kv_conn_len(c) <= 0 && !c->wake) {
         c->wake = 1;
@@ -312,11 +302,35 @@ static int32_t kv_slot(struct kv_worker *w, uint64_t now) {
 
 static void kv_prep(struct kv_worker *w, int32_t k, int write, uint64_t offset, int32_t *batch, int *n) {
     struct kv_pend *p = &w->pend[k];
-    char *buf = (char *)w->arena + (uint64_t)p->r.buf * w->bsize;
+    char *buf = (char *)p->bufp;
     if (write) io_prep_pwrite(&w->iocbs[k], w->fd, buf, (size_t)p->r.length, (long long)offset);
     else io_prep_pread(&w->iocbs[k], w->fd, buf, (size_t)p->r.length, (long long)offset);
     w->iocbs[k].data = (void *)(uintptr_t)k;
     batch[(*n)++] = k;
+}
+
+/* Take the supervisor's next request from ``ring`` with the buffer it names, as this worker maps
+   it (the lease of the connection whose generation the request carries). Returns 1 with *bufp
+   set (NULL: that connection is gone, the request fails), 0 if the ring is empty, -1 if the
+   connection is in the table but not attached here yet (the request stays queued; Python
+   follows the table, then the next turn takes it). */
+static int kv_take_sup(struct kv_worker *w, struct kv_ring *ring, struct kv_io_request *r, uint8_t **bufp) {
+    uint64_t head = *ring->head;
+    if (__atomic_load_n(ring->tail, __ATOMIC_ACQUIRE) == head) return 0;
+    memcpy(r, ring->recs + (head & ring->mask) * sizeof *r, sizeof *r);
+    *bufp = NULL;
+    uint32_t k = w->per_lease ? r->buf / w->per_lease : 0;
+    if (w->per_lease && k < w->nleases) {
+        uint32_t g = (uint32_t)r->conn_gen;
+        if (w->lease_base[k] && w->lease_gen[k] == g) {
+            *bufp = w->lease_base[k] + (uint64_t)(r->buf % w->per_lease) * w->bsize;
+        } else if ((uint32_t)__atomic_load_n(&w->table[8 * (uint64_t)k], __ATOMIC_ACQUIRE) == g && g) {
+            w->need_attach = 1;
+            return -1;
+        }
+    }
+    __atomic_store_n(ring->head, head + 1, __ATOMIC_RELEASE);
+    return 1;
 }
 
 /* A supervisor request the worker does not carry out: a buffer outside the arena, a transfer
@@ -324,7 +338,7 @@ static void kv_prep(struct kv_worker *w, int32_t k, int write, uint64_t offset, 
    this server's own area. The supervisor never sends one; the check is what makes the rings'
    content input, not authority (no record can write the superblocks or another server's area). */
 static int kv_request_ok(const struct kv_worker *w, const struct kv_io_request *r, int write) {
-    if (!(r->buf < w->arena_count && r->length >= KV_HEADER_BLOCK && r->length <= w->bsize
+    if (!(r->buf < (uint64_t)w->per_lease * w->nleases && r->length >= KV_HEADER_BLOCK && r->length <= w->bsize
           && r->payload_len <= r->length - KV_HEADER_BLOCK))
         return 0;
     if (r->area >= w->n_areas || r->slot >= w->area_slots[r->area] || r->length > w->slot_size
@@ -391,8 +405,7 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
         struct kv_direct_request d;
         while (mine < share && taken < room && !c->refused && kv_conn_get(c, &d, sizeof d)) {
             mine++;
-            if (!(d.buf < c->lease_count && d.area < w->n_areas && d.slot < w->area_slots[d.area]
-                  && (uint64_t)c->lease_start + d.buf < w->arena_count)) {
+            if (!(d.buf < c->lease_count && d.area < w->n_areas && d.slot < w->area_slots[d.area])) {
                 kv_refuse(w, c, &d);  /* a record no honest client writes: nothing is read for it */
                 break;
             }
@@ -404,7 +417,7 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
                can write, is never what keeps or frees a connection) */
             __atomic_store_n(c->busy, *c->busy + 1, __ATOMIC_RELEASE);
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
-            if (!__atomic_compare_exchange_n(&w->states[i], &expected, kv_tagged(KV_A_READING, c->gen), 0,
+            if (!__atomic_compare_exchange_n(&c->states[d.buf], &expected, kv_tagged(KV_A_READING, c->gen), 0,
                                              __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
                 __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
                 continue;  /* taken back by the client (timed out), or not this connection's to give */
@@ -412,7 +425,7 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
             if (__atomic_load_n(&c->dseq[d.buf], __ATOMIC_ACQUIRE) != d.seq) {
                 /* a stale record (its read was taken back) for a buffer posted again since:
                    leave the buffer to the record of the read it is posted for now */
-                __atomic_store_n(&w->states[i], kv_tagged(KV_A_DIRECT, c->gen), __ATOMIC_RELEASE);
+                __atomic_store_n(&c->states[d.buf], kv_tagged(KV_A_DIRECT, c->gen), __ATOMIC_RELEASE);
                 __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
                 continue;
             }
@@ -440,6 +453,7 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
             p->r.length = KV_HEADER_BLOCK + (len + 4095) / 4096 * 4096;
             memcpy(p->r.d, reg.d, 32);
             p->conn = ci; p->b = d.buf; p->seq = d.seq;
+            p->bufp = c->base + (uint64_t)d.buf * w->bsize;
             c->inflight++;
             w->reads_inflight++;
             taken++;
@@ -483,12 +497,15 @@ int kv_wk_turn(struct kv_worker *w) {
     int sup_ok = w->ndeferred == 0;
     int room = w->read_depth - (int)w->reads_inflight;
     struct kv_io_request r;
-    while (sup_ok && room > 0 && kv_ring_get(&w->reads, &r, sizeof r)) {
+    uint8_t *bufp;
+    int got;
+    while (sup_ok && room > 0 && (got = kv_take_sup(w, &w->reads, &r, &bufp)) != 0) {
+        if (got < 0) break;  /* its connection is not attached yet: follow the table first */
         int32_t k = kv_slot(w, now);
-        w->pend[k].r = r; w->pend[k].conn = -1;
+        w->pend[k].r = r; w->pend[k].conn = -1; w->pend[k].bufp = bufp;
         w->reads_inflight++;
         room--;
-        if (!kv_request_ok(w, &r, 0)) { kv_complete(w, k, -EINVAL, now); continue; }
+        if (!bufp || !kv_request_ok(w, &r, 0)) { kv_complete(w, k, bufp ? -EINVAL : -ESTALE, now); continue; }
         kv_prep(w, k, 0, r.offset, batch, &n);
     }
     if (room > 0) kv_take_direct(w, room, now, batch, &n);
@@ -501,13 +518,14 @@ int kv_wk_turn(struct kv_worker *w) {
     int starved = w->writes_waiting_since && (int64_t)now - w->writes_waiting_since >= KV_WRITE_STARVE_NS;
     if (sup_ok && room > 0 && (!reads_wait || starved)) {
         if (starved) w->writes_waiting_since = (int64_t)now;
-        while (room > 0 && kv_ring_get(&w->writes, &r, sizeof r)) {
+        while (room > 0 && (got = kv_take_sup(w, &w->writes, &r, &bufp)) != 0) {
+            if (got < 0) break;
             int32_t k = kv_slot(w, now);
-            w->pend[k].r = r; w->pend[k].conn = -1;
+            w->pend[k].r = r; w->pend[k].conn = -1; w->pend[k].bufp = bufp;
             w->writes_inflight++;
             room--;
-            if (!kv_request_ok(w, &r, 1)) { kv_complete(w, k, -EINVAL, now); continue; }
-            kv_prepare_write(w, &r);
+            if (!bufp || !kv_request_ok(w, &r, 1)) { kv_complete(w, k, bufp ? -EINVAL : -ESTALE, now); continue; }
+            kv_prepare_write(w, &r, bufp);
             kv_prep(w, k, 1, r.offset, batch, &n);
         }
     }
@@ -538,7 +556,7 @@ void kv_wk_layout(int64_t *out) {
     out[i++] = offsetof(struct kv_io_request, gen); out[i++] = offsetof(struct kv_io_request, d);
     out[i++] = offsetof(struct kv_io_request, area); out[i++] = offsetof(struct kv_io_request, flags);
     out[i++] = offsetof(struct kv_io_request, slot); out[i++] = offsetof(struct kv_io_request, payload_len);
-    out[i++] = offsetof(struct kv_io_request, csum);
+    out[i++] = offsetof(struct kv_io_request, csum); out[i++] = offsetof(struct kv_io_request, conn_gen);
     out[i++] = sizeof(struct kv_direct_request);
     out[i++] = offsetof(struct kv_direct_request, buf); out[i++] = offsetof(struct kv_direct_request, area);
     out[i++] = offsetof(struct kv_direct_request, payload_len); out[i++] = offsetof(struct kv_direct_request, slot);

@@ -3,9 +3,9 @@
    two cannot disagree. Plain declarations only: cffi parses them. The record structs are the
    numpy dtypes of ioworkers/protocol.py and service/protocol.py (tests compare the offsets). */
 
-struct kv_io_request {  /* IO_REQUEST, 104 bytes */
+struct kv_io_request {  /* IO_REQUEST, 112 bytes */
     uint64_t tag; uint32_t op, buf; uint64_t offset, length, gen, d[4];
-    uint32_t area, flags; uint64_t slot, payload_len, csum;
+    uint32_t area, flags; uint64_t slot, payload_len, csum, conn_gen;
 };
 struct kv_direct_request {  /* DIRECT_REQ, 64 bytes */
     uint64_t seq; uint16_t buf, area; uint32_t payload_len; uint64_t slot, gen, d[4];
@@ -21,6 +21,8 @@ struct kv_wconn {
     int32_t wake;          /* on the wake list of this turn */
     uint32_t gen, lease_start, lease_count;
     struct kv_ring ring;   /* its direct reads for this device (the client writes head and tail) */
+    uint8_t *base;         /* its lease's buffers, in its segment as this worker maps it */
+    uint32_t *states;      /* its lease's state words */
     uint64_t head;         /* the worker's own consumer index: the shared head word is only a copy */
     int64_t *pins; uint64_t *dseq; int32_t *wstat; uint64_t *wseq;
     int64_t inflight;
@@ -38,6 +40,7 @@ struct kv_bad {  /* a read whose header was not the expected one, for the log */
 struct kv_pend {
     struct kv_io_request r;
     int64_t t0;    /* submit time, CLOCK_MONOTONIC ns; 0 while the slot is free */
+    uint8_t *bufp; /* the buffer, as this worker maps it */
     int32_t conn;  /* -1: the supervisor's request; else the connection slot */
     uint32_t b;
     uint64_t seq;
@@ -47,7 +50,11 @@ struct kv_worker {
     /* set by Python before kv_wk_init */
     int fd, read_depth, max_writes, version;
     struct kv_ring reads, writes, done;
-    uint8_t *arena; uint64_t bsize; uint32_t *states; uint32_t arena_count;
+    uint64_t bsize;              /* bytes per buffer: 4096 + page size */
+    uint8_t **lease_base;        /* by connection id: its buffers as mapped here, NULL: none */
+    uint32_t *lease_gen;         /* by connection id: the generation lease_base belongs to */
+    const uint64_t *table;       /* the worker's connection table (WCONN: gen in word 0 of 8) */
+    uint32_t per_lease, nleases; /* buffers per lease, connection ids */
     uint8_t uuid[16]; uint32_t dev; uint64_t page_size, slot_size;
     const uint64_t *area_off; const uint64_t *area_slots; uint32_t n_areas;
     uint32_t own_area;           /* the only area this server writes */
@@ -58,6 +65,7 @@ struct kv_worker {
     struct kv_wconn *conns; int32_t nconn;
     /* read and reset by Python after each call */
     int32_t bell, nwake, nbad;
+    int32_t need_attach;         /* a request named a connection not attached yet: follow the table */
     int32_t *wake_list;
     struct kv_bad bad[16];
     uint64_t reports_dropped;

@@ -30,7 +30,7 @@ ST_WORKER_LOST = 4    # synthesized by the supervisor when the worker died or hu
 ST_REFUSED = 5        # direct read: a record no honest client writes; nothing read, the connection dropped
 ST_STALE = 6          # direct read: the slot no longer holds the page the client found; nothing read
 
-#: supervisor -> worker, 96 bytes
+#: supervisor -> worker, 112 bytes
 IO_REQUEST = np.dtype([
     ("tag", "<u8"),        # unique per request while outstanding
     ("op", "<u4"),         # OP_READ / OP_WRITE
@@ -44,8 +44,9 @@ IO_REQUEST = np.dtype([
     ("slot", "<u8"),       # slot index in the area
     ("payload_len", "<u8"),  # payload bytes (write: to store; read: expected)
     ("csum", "<u8"),       # write with F_CSUM: the payload's xxh3_64, computed by the client
+    ("conn_gen", "<u8"),   # generation of the connection whose lease holds ``buf``
 ])
-assert IO_REQUEST.itemsize == 104
+assert IO_REQUEST.itemsize == 112
 
 F_CSUM = 1  # the client computed the payload checksum while copying the page in: the worker uses it
 

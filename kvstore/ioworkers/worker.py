@@ -62,7 +62,7 @@ import numpy as np
 import structlog
 
 from ..service import protocol as P
-from ..shm.arena import Arena
+from ..shm.arena import buffer_size
 from ..shm.segment import Segment, attach_semaphore, wait_semaphore
 from ..shm.stats import D, StatsBlock
 from ..storage.superblock import FORMAT_VERSION
@@ -78,10 +78,9 @@ class WorkerParams:
     device_index: int
     store_uuid: bytes
     page_size: int
-    arena_name: str
-    arena_count: int
     control_name: str
-    states_offset: int
+    lease_buffers: int
+    """Buffers per connection lease (``service.client_buffers``)."""
     worker_segment: str
     stats_name: str
     doorbell: str
@@ -139,9 +138,11 @@ class _Conn:
         lease_count = int(entry["lease_count"])
         self.seg = Segment.attach(p.conn_prefix + str(cid))
         try:
-            if self.seg.size < P.ClientChannel.nbytes(lease_count, p.n_devices):
+            states_off, buffers_off, size = P.ClientChannel.layout(lease_count, p.n_devices, p.page_size)
+            if self.seg.size < size:
                 raise ValueError("connection segment smaller than its layout")
             self.chan = P.ClientChannel(self.seg.buf, lease_count, p.n_devices)
+            self._mem = FFI.from_buffer(self.seg.buf)
             self.sem = attach_semaphore(p.conn_prefix + f"{cid}.s")
         except BaseException:
             self.seg.close()
@@ -151,6 +152,9 @@ class _Conn:
         c.cid = cid
         c.lease_start = int(entry["lease_start"])
         c.lease_count = lease_count
+        self.base = FFI.cast("uint8_t *", self._mem + buffers_off)
+        c.base = self.base
+        c.states = FFI.cast("uint32_t *", self._mem + states_off)
         ring = self.chan.direct[p.device_index]
         _ring(c.ring, ring)
         c.head = int(LIB.kv_load_acquire_u64(ring._head))  # ours from here on; the tail is checked against it
@@ -169,6 +173,7 @@ class _Conn:
     def close(self) -> None:
         self.sem.close()
         del self.chan
+        del self._mem, self.base
         self.seg.close()
 
 
@@ -177,9 +182,7 @@ class Worker:
 
     def __init__(self, p: WorkerParams) -> None:
         self.p = p
-        self.arena_seg = Segment.attach(p.arena_name)
         self.control_seg = Segment.attach(p.control_name)
-        self.arena = Arena(self.arena_seg.buf, self.arena_seg.buf, p.states_offset, p.arena_count, p.page_size)
         self.wseg = Segment.attach(p.worker_segment)
         self.rings = WorkerRings(self.wseg.buf, p.max_clients)
         self.stats_seg = Segment.attach(p.stats_name)
@@ -200,10 +203,16 @@ class Worker:
         _ring(w.reads, self.rings.reads)
         _ring(w.writes, self.rings.writes)
         _ring(w.done, self.rings.done)
-        w.arena = FFI.cast("uint8_t *", self.arena.base)
-        w.bsize = self.arena.bsize
-        w.states = self.arena._states
-        w.arena_count = p.arena_count
+        # the leases, by connection id, as this worker maps them (each in its connection's segment)
+        w.bsize = buffer_size(p.page_size)
+        n_ids = max(1, p.max_clients)
+        self._lease_base = FFI.new("uint8_t *[]", n_ids)
+        self._lease_gen = FFI.new("uint32_t[]", n_ids)
+        w.lease_base = self._lease_base
+        w.lease_gen = self._lease_gen
+        w.per_lease = p.lease_buffers
+        w.nleases = p.max_clients
+        w.table = _ptr("uint64_t *", self.rings.conns) if p.max_clients else FFI.NULL
         w.uuid = p.store_uuid
         w.dev = d
         w.page_size = p.page_size
@@ -312,14 +321,18 @@ class Worker:
             if old is not None:
                 old.c.live = 0  # no more of its reads are taken; those in flight are answered
                 self._leaving.append(old)
+                self._lease_base[cid] = FFI.NULL  # the supervisor names none of its buffers any more
+                self._lease_gen[cid] = 0
             self._conn_gens[cid] = 0
             if int(gens[cid]):
                 if not self._free_slots:
                     continue  # every slot holds a connection with reads in flight: next turn
                 k = self._free_slots.pop()
                 try:
-                    self.conns[cid] = self._by_slot[k] = _Conn(self.p, cid, t[cid], k, self._cslots[k],
-                                                               self._busy[cid:cid + 1])
+                    conn = _Conn(self.p, cid, t[cid], k, self._cslots[k], self._busy[cid:cid + 1])
+                    self.conns[cid] = self._by_slot[k] = conn
+                    self._lease_base[cid] = conn.base
+                    self._lease_gen[cid] = conn.gen & 0xFFFFFFFF
                 except Exception:  # posix_ipc.ExistentialError, or a segment of another size
                     self._free_slots.append(k)  # already gone again (its segment unlinked): the table will say so
             self._conn_gens[cid] = gens[cid]
@@ -349,6 +362,9 @@ class Worker:
             before = w.reads_inflight + w.writes_inflight
             n = LIB.kv_wk_turn(w)
             self._after()
+            if w.need_attach:  # a request names a connection the table has and we have not attached
+                w.need_attach = 0
+                continue
             now = time.monotonic()
             if n:
                 small = n <= P.POLL_READS
@@ -376,7 +392,6 @@ class Worker:
             c.close()
         LIB.kv_wk_free(self.w)
         os.close(self.fd)
-        self.arena.release()
 
 
 def worker_main(p: WorkerParams) -> None:

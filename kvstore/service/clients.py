@@ -43,13 +43,13 @@ from .workers import WorkerSlot
 class Clients:
     """Every client connection of the service (see the module doc)."""
 
-    def __init__(self, *, cfg: Callable[[], StoreConfig], stopping: Callable[[], bool], arena: A.Arena,
+    def __init__(self, *, cfg: Callable[[], StoreConfig], stopping: Callable[[], bool], arena: A.LeaseStates,
                  stats: StatsBlock, log: Any, prefix: str, mode: int, group: int | None, sock_path: Path,
-                 workers: list[WorkerSlot], held: Callable[[], set[int]], n_devices: int,
+                 workers: list[WorkerSlot], n_devices: int, lease_buffers: int, page_size: int,
                  hello: dict[str, Any]) -> None:
         """``cfg`` gives the store config in force (it is replaced on reload); ``workers``: the
-        device workers (their connection tables); ``held``: arena buffers a hung worker may
-        still use; ``hello``: the fields every accepted hello carries."""
+        device workers (their connection tables); ``lease_buffers``: buffers per connection;
+        ``hello``: the fields every accepted hello carries."""
         self._cfg = cfg
         self._stopping = stopping
         self.arena = arena
@@ -58,8 +58,9 @@ class Clients:
         self.prefix, self.mode, self.group = prefix, mode, group
         self.sock_path = sock_path
         self.workers = workers
-        self.held = held
         self.n_devices = n_devices
+        self.lease_buffers = lease_buffers
+        self.page_size = page_size
         self.hello = hello
         self.conns: dict[int, Conn] = {}
         self.tenant_ids: dict[str, int] = {}
@@ -137,13 +138,13 @@ class Clients:
             return self._refuse(s, "busy", f"the service has its maximum of {cfg.service.max_clients} "
                                 "clients (service.max_clients in the store config)")
         cid = free[0]
-        nb = cfg.service.client_buffers
+        nb = self.lease_buffers
         start = cid * nb
-        held = self.held()
-        for i in range(start, start + nb):  # the service's record, not the words a client left
-            self.arena.set_state(i, A.QUARANTINE if i in held else A.FREE)
-        seg = Segment.create(self.prefix + f"c{cid}", P.ClientChannel.nbytes(nb, self.n_devices), self.mode,
-                             self.group)
+        # the connection's own segment: its channel, its buffers' states, its buffers. Owner-only
+        # whatever the access group: the client gets it as a file descriptor with the answer, so no
+        # other process of another user can open it (a fresh segment: every buffer FREE)
+        states_off, _buffers_off, size = P.ClientChannel.layout(nb, self.n_devices, self.page_size)
+        seg = Segment.create(self.prefix + f"c{cid}", size, 0o600)
         sem_name = self.prefix + f"c{cid}.s"
         sem = create_semaphore(sem_name, self.mode, self.group)
         self.generation += 1
@@ -151,6 +152,7 @@ class Clients:
         conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb, self.n_devices), sem, sem_name, start, nb, cred,
                     salt, tenant, tid, generation=self.generation)
         conn.chan.pins[:] = -1
+        self.arena.attach(cid, seg.buf, states_off)
         self.conns[cid] = conn
         # the workers serve its direct reads from now on (the segment and semaphore exist), under
         # what this table says: lease and tenant salt first, the generation last
@@ -161,10 +163,15 @@ class Clients:
             LIB.kv_fence()
             table["gen"][cid] = self.generation
         try:
-            s.send(P.encode_frame({
-                **self.hello, "v": P.VERSION, "ok": True, "client_id": cid, "max_batch": nb, "lease_start": start,
-                "lease_count": nb, "segment": seg.name, "sem": sem_name, "salt": salt,
-                "generation": self.generation, "tenant": tenant}))
+            fd = seg.open_fd()
+            try:
+                socket.send_fds(s, [P.encode_frame({
+                    **self.hello, "v": P.VERSION, "ok": True, "client_id": cid, "max_batch": nb, "lease_start": start,
+                    "lease_count": nb, "segment": seg.name, "states_offset": states_off,
+                    "buffers_offset": _buffers_off, "sem": sem_name, "salt": salt,
+                    "generation": self.generation, "tenant": tenant})], [fd])
+            finally:
+                os.close(fd)
         except OSError as e:  # a fresh socket's buffer takes a hello answer; failing here means it is gone
             conn.alive = False
             s.close()
@@ -195,9 +202,11 @@ class Clients:
                     self.log.info("client disconnected", client=conn.id, pid=conn.pid)
                 conn.alive = False
                 s.close()
-        for conn in [c for c in self.conns.values() if not c.alive]:
-            self._unserve(conn)  # no worker takes another of its reads
-            if conn.ops == 0 and self._direct_settled(conn):
+        for conn in [c for c in self.conns.values() if not c.alive and c.ops == 0]:
+            # no worker takes another of its reads (none of the service's I/Os uses its buffers:
+            # a worker lets go of a lease only once the supervisor names none of it)
+            self._unserve(conn)
+            if self._direct_settled(conn):
                 self.drop(conn)
 
     def refuse(self, cid: int, generation: int,
@@ -211,12 +220,11 @@ class Clients:
         self.stats.add("clients_refused")
         self.log.warning("client refused and disconnected", reason=why, client=cid,
                          pid=conn.pid, uid=conn.cred.uid, tenant=conn.tenant)
-        conn.alive = False
+        conn.alive = False  # the workers serve it no more already; it goes once its I/Os are done
         try:
             conn.sock.close()
         except OSError:
             pass
-        self._unserve(conn)
 
     def _unserve(self, conn: Conn) -> None:
         for w in self.workers:
@@ -244,13 +252,11 @@ class Clients:
         self._unserve(conn)
         del self.conns[conn.id]
         conn.alive = False
-        held = self.held()
-        for b in list(conn.inuse):  # e.g. a put answered early whose write failed to dispatch
-            if b not in held:
-                give_back(conn, b, self.arena, A.FREE)
-        for b in range(conn.lease_start, conn.lease_start + conn.lease_count):
-            if b not in held:  # whatever the client left in its state words
-                self.arena.set_state(b, A.FREE)
+        # its lease goes with its segment, whatever the client left in its state words (a hung
+        # worker that may still transfer into it keeps its own mapping of the memory)
+        conn.inuse.clear()
+        conn.dropped = True
+        self.arena.detach(conn.id)
         conn.seg.close()
         conn.seg.unlink()
         conn.sem.close()

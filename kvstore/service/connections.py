@@ -197,6 +197,7 @@ class Conn:
     inuse: set[int] = field(default_factory=set)     # buffers the service holds for this connection
     rejected: int = 0       # requests refused as malformed
     generation: int = 0     # unique per connection in this service run (the workers' connection table)
+    dropped: bool = False   # forgotten: its segment (and lease) is gone
     counted: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(P.COUNTERS_WORDS, dtype=np.uint64))
     """The client's counters as last added to the stats."""
 
@@ -234,7 +235,7 @@ class Request:
         return self.conn.chan.desc[self.desc].cancelled
 
 
-def take(conn: Conn, m: Any, arena: A.Arena) -> Request | int | None:
+def take(conn: Conn, m: Any, arena: A.BufferStates) -> Request | int | None:
     """Take the request a ring record announces.
 
     Returns the ``Request`` (the descriptor is now held by the service), or an ``S_*``
@@ -297,7 +298,10 @@ def answer(conn: Conn, desc: int, seq: int, status: int, value: int = 0,
     conn.sem.release()
 
 
-def give_back(conn: Conn, buf: int, arena: A.Arena, state: int) -> None:
-    """The service is done with ``buf``: hand it to the client (CLIENT) or free it (FREE)."""
+def give_back(conn: Conn, buf: int, arena: A.BufferStates, state: int) -> None:
+    """The service is done with ``buf``: hand it to the client (CLIENT) or free it (FREE). Nothing
+    to do once the connection is dropped (its lease went with it; the index may name another
+    connection's buffer by now)."""
     conn.inuse.discard(buf)
-    arena.set_state(buf, state)
+    if not conn.dropped:
+        arena.set_state(buf, state)

@@ -5,15 +5,19 @@ Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)
     client -> service  {"v": 3, "op": "hello", "tenant": str}
     service -> client  {"v": 3, "ok": true, "client_id": int, "page_size": int,
                         "max_batch": int, "lease_start": int, "lease_count": int,
-                        "arena": str, "control": str, "states_offset": int,
-                        "arena_count": int, "slots": int, "salt": bytes,
-                        "segment": str, "sem": str, "doorbell": str,
+                        "control": str, "slots": int, "salt": bytes,
+                        "segment": str, "states_offset": int, "buffers_offset": int,
+                        "sem": str, "doorbell": str,
                         "service_pid": int, "store": str, "server": str, "tenant": str}
+                       with the connection segment's file descriptor (SCM_RIGHTS)
                    or  {"v": 3, "ok": false, "error": str, "kind": str}
 
-``slots`` and ``arena_count`` give the control segment's layout (shm/control.py), which
-the client maps to answer lookups itself from the key index; ``salt`` is the granted
-tenant's salt, with which it computes the digests it looks up (kvstore/digests.py).
+``slots`` gives the control segment's layout (shm/control.py), which the client maps
+read-only to answer lookups itself from the key index; ``salt`` is the granted tenant's
+salt, with which it computes the digests it looks up (kvstore/digests.py). The
+connection's own segment (``ClientChannel.layout``: this channel, then its lease's state
+words and buffers) is owner-only: the client maps it from the descriptor sent with the
+answer, so no process of another user can open another connection's segment.
 
 The service reads the hello without blocking (a state machine fed by its loop)
 and drops a client whose hello is not complete within ``HELLO_DEADLINE_S``, is
@@ -82,6 +86,7 @@ one (up to its timeout).
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from typing import Any
@@ -174,6 +179,10 @@ assert DESC_HEAD.itemsize == 64
 
 def _round64(n: int) -> int:
     return (n + 63) // 64 * 64
+
+
+def _round4k(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
 
 
 class Descriptor:
@@ -277,10 +286,19 @@ class ClientChannel:
 
     @staticmethod
     def nbytes(max_batch: int, n_devices: int) -> int:
-        """Size of a connection segment."""
+        """Size of the channel (the start of a connection segment)."""
         return (Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch) + _round64(8 * COUNTERS_WORDS)
                 + n_devices * Ring.nbytes(direct_capacity(max_batch), DIRECT_REQ)
                 + 2 * _round64(8 * max_batch) + 2 * _round64(4 * max_batch) + _round64(8 * max_batch))
+
+    @staticmethod
+    def layout(max_batch: int, n_devices: int, page_size: int) -> tuple[int, int, int]:
+        """The whole connection segment: the channel, then the lease's state words and its
+        ``max_batch`` page buffers, each part on a 4096-byte boundary. Returns (states
+        offset, buffers offset, segment size)."""
+        states = _round4k(ClientChannel.nbytes(max_batch, n_devices))
+        buffers = states + _round4k(4 * max_batch)
+        return states, buffers, buffers + max_batch * (4096 + page_size)
 
 
 def encode_frame(obj: dict[str, Any]) -> bytes:
@@ -317,6 +335,29 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
     return decode_frame(_recv_exact(sock, n))
+
+
+def recv_frame_fds(sock: socket.socket, max_fds: int = 1) -> tuple[dict[str, Any], list[int]]:
+    """Receive one frame and the file descriptors sent with it (``SCM_RIGHTS``; they arrive with
+    its first bytes). The caller owns (and closes) the descriptors."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 4 + MAX_FRAME, max_fds)
+    fds = list(fds)
+    try:
+        if not data:
+            raise ConnectionError("connection closed")
+        buf = bytearray(data)
+        while len(buf) < 4:
+            buf += _recv_exact(sock, 4 - len(buf))
+        (n,) = struct.unpack_from("<I", buf)
+        if n > MAX_FRAME:
+            raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+        if len(buf) < 4 + n:
+            buf += _recv_exact(sock, 4 + n - len(buf))
+        return decode_frame(bytes(buf[4:4 + n])), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -31,7 +31,7 @@ from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRIT
                                   ST_REFUSED, ST_STALE,
                                   ST_WORKER_LOST)
 from ..shm import arena as A
-from ..shm.arena import Arena
+from ..shm.arena import LeaseStates
 from ..shm.ring import RingCorrupt
 from ..shm.index import KeyIndex
 from ..shm.slots import RETIRED, VALID, SlotMap
@@ -53,7 +53,7 @@ class Store(Protocol):
     cfg: StoreConfig
     log: Any
     stats: StatsBlock
-    arena: Arena
+    arena: LeaseStates
     slots: np.ndarray[Any, Any]
     index: KeyIndex
     alloc: Allocator
@@ -207,7 +207,7 @@ class Requests:
         out = self._out.setdefault((d, op), [])
         out.append((tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, gen,
                     int(words[0]), int(words[1]), int(words[2]), int(words[3]), a, 0 if csum is None else F_CSUM, s,
-                    length, csum or 0))
+                    length, csum or 0, req.conn.generation & 0xFFFFFFFF))
         self.pending[tag] = Op(req, i, gid, d, buf, op, words, length, gen, time.monotonic())
         req.outstanding += 1
         req.conn.ops += 1

@@ -217,9 +217,8 @@ class Supervisor:
             self.layout = lay
             ctl = self._segment("control", lay.nbytes, self.read_mode)
             self.slots = lay.slot_table(ctl.buf)
-            self.states_off = A.Arena.states_offset(self.arena_count, cfg.page_size)
-            arena_seg = self._segment("arena", A.Arena.nbytes(self.arena_count, cfg.page_size))
-            self.arena = A.Arena(arena_seg.buf, arena_seg.buf, self.states_off, self.arena_count, cfg.page_size)
+            # each connection's buffers live in its own segment (Clients attaches them here)
+            self.arena = A.LeaseStates(cfg.service.client_buffers, cfg.service.max_clients)
             st = self._segment("stats", stats_nbytes(len(cfg.devices)), self.read_mode)
             self.stats = StatsBlock(st.buf, len(cfg.devices), init=True)
             self.board = Board(self._segment("board", BOARD_BYTES, self.read_mode).buf)
@@ -278,9 +277,9 @@ class Supervisor:
             self.clients = Clients(
                 cfg=lambda: self.cfg, stopping=lambda: self.stop, arena=self.arena, stats=self.stats, log=self.log,
                 prefix=self.prefix, mode=self.mode, group=self.group, sock_path=self.sock_path,
-                workers=self.workers, held=self._held_buffers, n_devices=len(self.workers), hello={
-                    "page_size": cfg.page_size, "arena": self.prefix + "arena", "control": self.prefix + "control",
-                    "states_offset": self.states_off, "arena_count": self.arena_count,
+                workers=self.workers, n_devices=len(self.workers), lease_buffers=cfg.service.client_buffers,
+                page_size=cfg.page_size, hello={
+                    "page_size": cfg.page_size, "control": self.prefix + "control",
                     "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": cfg.name,
                     "server": self.server, "stats": self.prefix + "stats", "slots": self.smap.total,
                     "max_clients": cfg.service.max_clients, "workers": [w.wake_name for w in self.workers],
@@ -394,8 +393,8 @@ class Supervisor:
         cfg = self.cfg
         return WorkerParams(
             device_path=w.path, device_index=w.device, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size,
-            arena_name=self.prefix + "arena", arena_count=self.arena_count, control_name=self.prefix + "control",
-            states_offset=self.states_off, worker_segment=self.prefix + f"w{w.device}",
+            control_name=self.prefix + "control", lease_buffers=cfg.service.client_buffers,
+            worker_segment=self.prefix + f"w{w.device}",
             stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=w.wake_name,
             read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes,
             store=cfg.name, server=self.server,
@@ -448,13 +447,6 @@ class Supervisor:
 
     def _queued(self, device: int) -> bool:
         return self.requests is not None and any(op.device == device for op in self.requests.pending.values())
-
-    def _held_buffers(self) -> set[int]:
-        """Arena buffers a hung worker may still transfer into: kept from every client until it
-        is gone (the service's own record; a state word a client can write is not asked)."""
-        if self.pool is None:
-            return set()
-        return {b for _proc, held in self.pool.zombies for _conn, b in held}
 
     def _worker_replaced(self, device: int) -> None:
         if self.clients is not None:

@@ -48,7 +48,7 @@ class Workers:
     """Every device worker of the service (see the module doc)."""
 
     def __init__(self, *, cfg: Callable[[], StoreConfig], stopping: Callable[[], bool], mp: Any, stats: StatsBlock,
-                 log: Any, arena: A.Arena, params: Callable[[WorkerSlot], WorkerParams],
+                 log: Any, arena: A.BufferStates, params: Callable[[WorkerSlot], WorkerParams],
                  queued: Callable[[int], bool], on_lost: Callable[[int, bool], list[tuple[Conn, int]]],
                  on_replaced: Callable[[int], None]) -> None:
         """``params(slot)``: what a worker of that device is started with; ``queued(device)``: the

@@ -1,18 +1,25 @@
-"""The page-buffer arena: 4 KiB-aligned buffers that clients, supervisor and workers share.
+"""Page buffers: 4 KiB-aligned buffers that a client, the supervisor and the workers share.
 
-Layout of the arena segment (``n`` buffers of ``4096 + page_size`` bytes, then their states)::
+Each connection has its own buffers (its *lease*), in its own connection segment
+(service/protocol.py ``ClientChannel.layout``): ``n`` buffers of ``4096 + page_size`` bytes,
+and a state word per buffer::
 
-    buffer i at offset i * (4096 + page_size):
+    buffer b at buffers_offset + b * (4096 + page_size):
         [0, 4096)                 slot header block (written by the I/O worker)
         [4096, 4096 + page_size)  page payload (written by the client for a put,
                                   by the device for a get)
-    states at n * (4096 + page_size): n x u32, rounded up to 64 bytes
+    states at states_offset: n x u32
 
 One buffer is exactly one slot's bytes on the device, so a put or a get is a
-single O_DIRECT I/O straight between the device and this memory: no copy.
+single O_DIRECT I/O straight between the device and this memory: no copy. A
+buffer's *global* index is ``lease_start + b``, with ``lease_start = id * n`` for
+connection ``id``: the supervisor names buffers that way on the workers' rings.
+No process but the service, its workers and the connection's own client maps a
+lease (the segment is owner-only and its descriptor is passed to the client over
+the Unix socket), so no client can read or write another connection's buffers.
 
-Ownership: a state array of u32 per buffer (in the control segment) says who
-may touch the buffer; only the current owner writes the next state:
+Ownership: the state word says who may touch the buffer; only the current owner
+writes the next state:
 
     FREE -> CLIENT   client allocates it            (client)
     CLIENT -> SERVICE client hands it over in a request (client)
@@ -28,9 +35,9 @@ may touch the buffer; only the current owner writes the next state:
     READING|g -> CLIENT    the read is done, its result published            (worker)
     READING|g -> CLIENT    the worker died; its reads are failed             (service)
 
-``g`` is the low 24 bits of the connection's generation, in bits 8..31 (``tagged``): a
-worker holding a stale record of a connection that has gone can never take a buffer of
-the connection that now leases it.
+``g`` is the low 24 bits of the connection's generation, in bits 8..31 (``tagged``).
+These words are the client's to write for its own lease: the service never lets them
+decide what it keeps (see service/clients.py).
 
 The state is written with store-release and read with load-acquire, so the
 new owner sees the buffer's bytes as the old owner left them.
@@ -38,7 +45,7 @@ new owner sees the buffer's bytes as the old owner left them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -69,70 +76,69 @@ def buffer_size(page_size: int) -> int:
     return BLOCK + page_size
 
 
-class Arena:
-    """Views over the arena segment and its state array.
+class BufferStates(Protocol):
+    """What the service asks of buffer states, by global buffer index."""
 
-    Invariant: buffer ``i`` starts at a 4096-byte aligned address (the mapping is
-    page aligned and the buffer size a multiple of 4096).
+    def state(self, i: int) -> int: ...
+    def set_state(self, i: int, state: int) -> None: ...
+    def cas_state(self, i: int, expected: int, desired: int) -> bool: ...
+
+
+class Arena:
+    """One lease: views over its buffers and state words in a connection segment.
+
+    Indices are global (``first`` is the lease's first). Invariant: buffer ``i`` starts at a
+    4096-byte aligned address (the mapping is page aligned, ``buffers_offset`` and the buffer
+    size multiples of 4096).
     """
 
-    def __init__(self, data: Any, states: Any, states_offset: int, count: int, page_size: int) -> None:
+    def __init__(self, buf: Any, states_offset: int, buffers_offset: int, count: int, page_size: int,
+                 first: int = 0) -> None:
         self.count = count
+        self.first = first
         self.page_size = page_size
         self.bsize = buffer_size(page_size)
-        if len(data) < count * self.bsize:
-            raise ValueError("arena segment smaller than count * buffer size")
-        self._data = data
-        self.base = FFI.from_buffer(data)
-        sbase = FFI.from_buffer(states)
-        self._states = FFI.cast("uint32_t *", sbase + states_offset)
-        self._skeep = sbase
-        self.mv = memoryview(data)
-
-    @staticmethod
-    def states_nbytes(count: int) -> int:
-        """Bytes of the state array for ``count`` buffers (rounded to 64)."""
-        return (count * 4 + 63) // 64 * 64
-
-    @staticmethod
-    def states_offset(count: int, page_size: int) -> int:
-        """Offset of the state array in the arena segment."""
-        return count * buffer_size(page_size)
-
-    @staticmethod
-    def nbytes(count: int, page_size: int) -> int:
-        """Size of an arena segment of ``count`` buffers of ``page_size`` pages, states included."""
-        return count * buffer_size(page_size) + Arena.states_nbytes(count)
+        if buffers_offset % BLOCK or len(buf) < buffers_offset + count * self.bsize \
+                or len(buf) < states_offset + 4 * count:
+            raise ValueError("lease segment smaller than its layout, or buffers not 4096-aligned")
+        self._data = buf
+        self._off = buffers_offset
+        p = FFI.from_buffer(buf)
+        self._keep = p
+        self.base = p + buffers_offset
+        self._states = FFI.cast("uint32_t *", p + states_offset)
+        self.mv = memoryview(buf)
 
     def address(self, i: int) -> Any:
         """``char *`` to buffer ``i`` (header block first)."""
-        return self.base + i * self.bsize
+        return self.base + (i - self.first) * self.bsize
 
     def payload(self, i: int, length: int | None = None) -> memoryview:
         """Writable view of buffer ``i``'s payload (``length`` bytes, default the page size)."""
-        start = i * self.bsize + BLOCK
+        start = self._off + (i - self.first) * self.bsize + BLOCK
         return self.mv[start:start + (self.page_size if length is None else length)]
 
     def payload_array(self, i: int) -> np.ndarray[Any, Any]:
         """Buffer ``i``'s payload as a u8 array over the mapping (its own exporter object)."""
-        return np.frombuffer(self._data, dtype=np.uint8, count=self.page_size, offset=i * self.bsize + BLOCK)
+        return np.frombuffer(self._data, dtype=np.uint8, count=self.page_size,
+                             offset=self._off + (i - self.first) * self.bsize + BLOCK)
 
     def header(self, i: int) -> memoryview:
         """Writable view of buffer ``i``'s 4 KiB header block."""
-        start = i * self.bsize
+        start = self._off + (i - self.first) * self.bsize
         return self.mv[start:start + BLOCK]
 
     def state(self, i: int) -> int:
         """Current owner state of buffer ``i`` (load-acquire)."""
-        return int(LIB.kv_load_acquire_u32(self._states + i))
+        return int(LIB.kv_load_acquire_u32(self._states + (i - self.first)))
 
     def set_state(self, i: int, state: int) -> None:
         """Hand buffer ``i`` on (store-release). Only the current owner may call this."""
-        LIB.kv_store_release_u32(self._states + i, state)
+        LIB.kv_store_release_u32(self._states + (i - self.first), state)
 
     def cas_state(self, i: int, expected: int, desired: int) -> bool:
         """Hand buffer ``i`` on only if its state is ``expected`` (one atomic step); whether it did."""
-        return bool(LIB.kv_cas_u32(self._states + i, expected, desired))
+        return bool(LIB.kv_cas_u32(self._states + (i - self.first), expected, desired))
 
     def states(self, start: int, count: int) -> np.ndarray[Any, Any]:
         """A snapshot of ``count`` states from ``start`` (for statistics and leak checks)."""
@@ -141,3 +147,46 @@ class Arena:
     def release(self) -> None:
         """Drop the memoryview so the segment can be unmapped."""
         self.mv.release()
+
+
+class LeaseStates:
+    """The service's view of every lease's state words, by global buffer index: each
+    connection's are in its own segment, attached while the connection lives. A buffer of a
+    lease that is not attached reads FREE and ignores writes (its connection is gone)."""
+
+    def __init__(self, per_lease: int, leases: int) -> None:
+        self.per_lease = per_lease
+        self._ptrs: list[Any] = [None] * leases
+        self._keep: list[Any] = [None] * leases
+
+    def attach(self, k: int, buf: Any, states_offset: int) -> None:
+        """Lease ``k``'s state words are at ``states_offset`` in ``buf`` from now on."""
+        p = FFI.from_buffer(buf)
+        self._keep[k] = p
+        self._ptrs[k] = FFI.cast("uint32_t *", p + states_offset)
+
+    def detach(self, k: int) -> None:
+        """Lease ``k`` has no connection any more."""
+        self._ptrs[k] = None
+        self._keep[k] = None
+
+    def _p(self, i: int) -> Any:
+        k, b = divmod(i, self.per_lease)
+        p = self._ptrs[k] if 0 <= k < len(self._ptrs) else None
+        return None if p is None else p + b
+
+    def state(self, i: int) -> int:
+        """Current owner state of buffer ``i`` (load-acquire); FREE if its lease is gone."""
+        p = self._p(i)
+        return FREE if p is None else int(LIB.kv_load_acquire_u32(p))
+
+    def set_state(self, i: int, state: int) -> None:
+        """Hand buffer ``i`` on (store-release), if its lease is still there."""
+        p = self._p(i)
+        if p is not None:
+            LIB.kv_store_release_u32(p, state)
+
+    def cas_state(self, i: int, expected: int, desired: int) -> bool:
+        """Compare-and-swap buffer ``i``'s state; False if its lease is gone."""
+        p = self._p(i)
+        return p is not None and bool(LIB.kv_cas_u32(p, expected, desired))

@@ -60,6 +60,25 @@ class Segment:
         return cls(name, size, create=True, mode=mode, group=group)
 
     @classmethod
+    def adopt(cls, name: str, fd: int) -> Segment:
+        """Map the segment behind file descriptor ``fd`` (one passed over a Unix socket), read
+        and write, and close ``fd``; ``name`` is only for messages."""
+        seg = cls.__new__(cls)
+        seg.name = name
+        try:
+            seg.size = os.fstat(fd).st_size
+            seg.buf = mmap.mmap(fd, seg.size)
+        finally:
+            os.close(fd)
+        seg.owner = False
+        return seg
+
+    def open_fd(self) -> int:
+        """A new read-write file descriptor of this segment (to pass to a client); the caller
+        closes it."""
+        return os.open(str(SHM_DIR / self.name), os.O_RDWR | os.O_CLOEXEC)
+
+    @classmethod
     def attach(cls, name: str, readonly: bool = False) -> Segment:
         """Map an existing segment (``readonly``: opened and mapped for reading only); raises
         ``posix_ipc.ExistentialError`` if it is gone, ``posix_ipc.PermissionsError`` if this

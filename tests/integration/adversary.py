@@ -92,22 +92,22 @@ def unpack(b: bytes, i: int = 0) -> tuple[object, int]:
     raise ValueError(f"msgpack type {t:#x}")
 
 
-def hello(path: str, tenant: str) -> tuple[socket.socket, dict]:
+def hello(path: str, tenant: str) -> tuple[socket.socket, dict, list[int]]:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(10)
     s.connect(path)
     body = pack({"v": 3, "op": "hello", "tenant": tenant})
     s.sendall(struct.pack("<I", len(body)) + body)
-    head = b""
+    head, fds, _flags, _addr = socket.recv_fds(s, 1 << 17, 4)  # the segment comes as a descriptor
     while len(head) < 4:
         head += s.recv(4 - len(head))
-    (n,) = struct.unpack("<I", head)
-    data = b""
+    (n,) = struct.unpack_from("<I", head)
+    data = head[4:]
     while len(data) < n:
         data += s.recv(n - len(data))
     msg, _ = unpack(data)
     assert isinstance(msg, dict)
-    return s, msg
+    return s, msg, list(fds)
 
 
 # ---- the layout, as docs/FORMAT.md gives it --------------------------------------------------
@@ -199,8 +199,8 @@ def closed_by_service(s: socket.socket, wait_s: float) -> bool:
 
 
 # ---- attacks ----------------------------------------------------------------------------------
-def post_reads(m: mmap.mmap, lay: Conn, dev: int, recs: list[tuple[int, int, int, int, bytes]], lease0: int,
-               gen: int, arena: mmap.mmap | None, states_off: int) -> list[int]:
+def post_reads(m: mmap.mmap, lay: Conn, dev: int, recs: list[tuple[int, int, int, int, bytes]],
+               gen: int, states_off: int) -> list[int]:
     """Post direct reads (buf, area, slot, gen, 32-byte id) as the protocol says; the seqs."""
     ring = lay.direct[dev]
     tail = u64(m, ring + 64)
@@ -209,8 +209,8 @@ def post_reads(m: mmap.mmap, lay: Conn, dev: int, recs: list[tuple[int, int, int
         seq = 1000 + j
         struct.pack_into("<Q", m, lay.dseq + 8 * b, seq)
         struct.pack_into("<q", m, lay.pins + 8 * b, -1)
-        if arena is not None:  # hand the buffer over: DIRECT tagged with our generation
-            struct.pack_into("<I", arena, states_off + 4 * (lease0 + b), 4 | (gen & 0xFFFFFF) << 8)
+        # hand the buffer over: DIRECT tagged with our generation (its state word is in our segment)
+        struct.pack_into("<I", m, states_off + 4 * b, 4 | (gen & 0xFFFFFF) << 8)
         rec = struct.pack("<QHHIQQ", seq, b, area, 0, slot, g) + ident
         off = ring + 128 + ((tail + j) % lay.cap) * 64
         m[off:off + 64] = rec
@@ -233,27 +233,32 @@ def results(m: mmap.mmap, lay: Conn, bufs: list[int], seqs: list[int], wait_s: f
 def main() -> None:
     path, tenant, attack = sys.argv[1], sys.argv[2], sys.argv[3]
     seconds = float(sys.argv[4]) if len(sys.argv) > 4 else 3.0
-    s, h = hello(path, tenant)
+    s, h, fds = hello(path, tenant)
     rep: dict = {"ok": h.get("ok"), "error": h.get("error")}
     if not h.get("ok"):
         print(json.dumps(rep))
         return
     areas = h["areas"]
     nslots = h["slots"]
-    mb, lease0, gen = h["max_batch"], h["lease_start"], h["generation"]
+    mb, gen = h["max_batch"], h["generation"]
     lay = Conn(mb, len(areas))
-    seg, why = open_map(h["segment"], True)
-    assert seg is not None, why
+    assert len(fds) == 1, fds
+    seg = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
+    os.close(fds[0])
     ctl_rw, ctl_why = open_map(h["control"], True)
     rep["control_writable"] = ctl_rw is not None
     ctl, _ = open_map(h["control"], False)
     assert ctl is not None
-    arena, arena_why = open_map(h["arena"], True)
-    rep["arena_writable"] = arena is not None
     prefix = h["segment"][:-len("c%d" % h["client_id"])]
     for what in ("w0", "sync"):
         m, why = open_map(prefix + what, True)
         rep[f"{what}_writable"] = m is not None
+    # every other connection's segment (its rings, descriptors, buffers): can we open one?
+    rep["other_connections_readable"] = sum(
+        1 for i in range(h["max_clients"])
+        if i != h["client_id"] and os.path.exists(SHM + prefix + f"c{i}") and open_map(prefix + f"c{i}", False)[0])
+    rep["other_connections_seen"] = sum(1 for i in range(h["max_clients"])
+                                        if i != h["client_id"] and os.path.exists(SHM + prefix + f"c{i}"))
     rep["salt"] = h["salt"].hex()
     table = slot_table(ctl, nslots)
     valid = [e for e in table if e[4] == 2]
@@ -266,7 +271,7 @@ def main() -> None:
         for j, (g, sgen, digest, _length, _st) in enumerate(pick):
             dev, area, slot = locate(areas, g)
             recs.append((j, area, slot, sgen, digest))
-        seqs = post_reads(seg, lay, 0, recs, lease0, gen, arena, h["states_offset"])
+        seqs = post_reads(seg, lay, 0, recs, gen, h["states_offset"])
         got = results(seg, lay, list(range(len(recs))), seqs, seconds)
         rep["statuses"] = got
         rep["hits"] = sum(1 for x in got if x == 0)
@@ -279,7 +284,7 @@ def main() -> None:
         for j, (g, sgen, digest, _length, _st) in enumerate(pick):
             dev, area, slot = locate(areas, g)
             recs.append((j, area, slot, sgen, bytes([digest[0] ^ 1]) + digest[1:]))
-        seqs = post_reads(seg, lay, 0, recs, lease0, gen, arena, h["states_offset"])
+        seqs = post_reads(seg, lay, 0, recs, gen, h["states_offset"])
         got = results(seg, lay, list(range(len(recs))), seqs, seconds)
         rep["statuses"] = got
         rep["hits"] = sum(1 for x in got if x == 0)
@@ -292,11 +297,10 @@ def main() -> None:
         rep["disconnected"] = closed_by_service(s, seconds)
     elif attack == "hold":
         # mark the whole lease as being read (and some quarantined), then leave
-        assert arena is not None, arena_why
-        off = h["states_offset"] + 4 * lease0
+        off = h["states_offset"]
         for b in range(mb):
             state = 3 if b % 4 == 0 else 5 | (gen & 0xFFFFFF) << 8
-            struct.pack_into("<I", arena, off + 4 * b, state)
+            struct.pack_into("<I", seg, off + 4 * b, state)
         for b in range(mb):
             struct.pack_into("<q", seg, lay.pins + 8 * b, b % max(1, nslots))
         s.close()

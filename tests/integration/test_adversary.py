@@ -140,12 +140,16 @@ def test_direct_reads_of_another_tenants_slots_get_nothing(home: Path, file_devi
     keys = [b"alpha/secret/%d" % i for i in range(8)]
     with sc.alpha() as a:
         _save(a, keys)
-    got = sc.attack("steal")
+        with a.get(keys) as held:  # alpha holds views of its pages while beta attacks
+            got = sc.attack("steal")
+            assert _all_good(a, keys) and all(v is not None for v in held)
     assert got["ok"] and got["valid_seen"] >= 8
     assert got["hits"] == 0 and 0 not in got["statuses"], got
     assert got["disconnected"], got
-    if not same_uid:  # the kernel keeps another user off the service's tables and rings
+    assert got["other_connections_seen"] >= 1, got
+    if not same_uid:  # the kernel keeps another user off the service's tables, its rings and alpha's memory
         assert not got["control_writable"] and not got["w0_writable"] and not got["sync_writable"], got
+        assert got["other_connections_readable"] == 0, got
     st = _stats(home, "t")
     assert st.clients_refused >= 1 and st.direct_refused >= 1 and st.validation_failures == 0
     with sc.alpha() as a:

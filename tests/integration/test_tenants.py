@@ -135,9 +135,10 @@ def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, se
     sock = run_dir("t", home) / "local.sock"
     st = os.stat(sock)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid
-    # what clients write: group read-write; what they only read: group read; the service's own
-    # rings (its workers' and its sync agent's): nobody else's
-    want = {"control": 0o640, "stats": 0o640, "board": 0o640, "peers": 0o640, "arena": 0o660, "w0": 0o600,
+    # what clients only read: group read; semaphores clients post: group read-write; the
+    # service's own rings and every connection's segment (passed to its client as a file
+    # descriptor): nobody else's
+    want = {"control": 0o640, "stats": 0o640, "board": 0o640, "peers": 0o640, "w0": 0o600,
             "sync": 0o600, "sem.bell": 0o660, "sem.w0": 0o660}
     seen = set()
     for seg in svc.leftovers():
@@ -147,7 +148,7 @@ def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, se
         mode = want[what]
         assert stat.S_IMODE(s2.st_mode) == mode, (seg, oct(s2.st_mode))
         assert (s2.st_gid == gid) == bool(mode & 0o070), seg
-    assert {"control", "arena", "w0", "stats"} <= seen, seen
+    assert {"control", "w0", "stats"} <= seen, seen
     r = run_as_other_user(home, gid, "import socket; s = socket.socket(socket.AF_UNIX); "
                                      f"s.connect({str(sock)!r}); print('connected')")
     assert r.returncode == 0 and "connected" in r.stdout, r.stderr

@@ -76,8 +76,6 @@ class HostileClient(RuleBasedStateMachine):
 
         self.ctl = seg("control", self.lay.nbytes)
         self.slots = self.lay.slot_table(self.ctl.buf)
-        self.arena_seg = seg("arena", A.Arena.nbytes(2 * MB, PS))
-        self.arena = A.Arena(self.arena_seg.buf, self.arena_seg.buf, A.Arena.states_offset(2 * MB, PS), 2 * MB, PS)
         self.wseg = seg("w0", WorkerRings.nbytes(2))
         self.rings = WorkerRings(self.wseg.buf, 2)
         stats = seg("stats", stats_nbytes(1))
@@ -110,22 +108,24 @@ class HostileClient(RuleBasedStateMachine):
         self.table_before = self.slots.copy()
         # two connections: alpha (cid 0, lease 0..3) and beta (cid 1, lease 4..7)
         self.chans: list[P.ClientChannel] = []
+        self.leases: list[A.Arena] = []
+        states_off, buffers_off, size = P.ClientChannel.layout(MB, 1, PS)
         for cid, salt in ((0, SALT_A), (1, SALT_B)):
-            c = seg(f"c{cid}", P.ClientChannel.nbytes(MB, 1))
+            c = seg(f"c{cid}", size)
             sem(f"c{cid}.s")
             ch = P.ClientChannel(c.buf, MB, 1)
             ch.pins[:] = -1
             self.chans.append(ch)
+            self.leases.append(A.Arena(c.buf, states_off, buffers_off, MB, PS, first=cid * MB))
             e = self.rings.conns
             e["lease_start"][cid], e["lease_count"][cid] = cid * MB, MB
             e["salt"][cid] = np.frombuffer(salt, dtype=np.uint8)
             e["gen"][cid] = 100 + cid
         for i in range(2 * MB):
-            self.arena.set_state(i, A.CLIENT)
+            self.arena(i).set_state(i, A.CLIENT)
         p = WorkerParams(
             device_path=str(self.dev), device_index=0, store_uuid=self.uuid, page_size=PS,
-            arena_name=self.prefix + "arena", arena_count=2 * MB, control_name=self.prefix + "control",
-            states_offset=A.Arena.states_offset(2 * MB, PS), worker_segment=self.prefix + "w0",
+            control_name=self.prefix + "control", lease_buffers=MB, worker_segment=self.prefix + "w0",
             stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=self.prefix + "w0",
             read_depth=8, max_inflight_writes=2, direct=False, max_clients=2, conn_prefix=self.prefix + "c",
             n_devices=1, slot_size=BSIZE, area_offsets=area_off, area_slots=(SLOTS, SLOTS), own_area=0,
@@ -151,8 +151,14 @@ class HostileClient(RuleBasedStateMachine):
             self.dev.unlink(missing_ok=True)
 
     # ---- helpers ------------------------------------------------------------------------------
+    def arena(self, i: int) -> A.Arena:
+        """The lease holding global buffer ``i``."""
+        return self.leases[i // MB]
+
     def _alpha_lease(self) -> bytes:
-        return bytes(self.arena_seg.buf[0:MB * BSIZE])
+        a = self.leases[0]
+        return b"".join(bytes(a.header(i)) + bytes(a.payload(i)) for i in range(MB)) + \
+            a.states(0, MB).tobytes()
 
     def _quiesce(self) -> None:
         assert self.w is not None
@@ -185,12 +191,13 @@ class HostileClient(RuleBasedStateMachine):
         key, ident, _ = self.keys[gid]
         ch = self.chans[0]
         ch.pins[b] = gid
-        self.arena.set_state(b, A.tagged(A.DIRECT, 100))
+        a = self.leases[0]
+        a.set_state(b, A.tagged(A.DIRECT, 100))
         seq = self._post(0, b, 1, slot, GEN_A, ident)
         self._quiesce()
-        assert self.arena.state(b) == A.CLIENT and ch.done_seq(b) == seq
+        assert a.state(b) == A.CLIENT and ch.done_seq(b) == seq
         assert int(ch.wstat[b]) == 0, "alpha's own page must be served"
-        assert bytes(self.arena.payload(b)) == _page(key)
+        assert bytes(a.payload(b)) == _page(key)
         self.alpha_bytes = self._alpha_lease()
 
     # ---- beta: hostile ------------------------------------------------------------------------
@@ -212,7 +219,7 @@ class HostileClient(RuleBasedStateMachine):
         g = self.beta_gen
         st_word = {"direct": A.tagged(A.DIRECT, g), "reading": A.tagged(A.READING, g), "client": A.CLIENT,
                    "garbage": 0xDEADBEEF}[state]
-        self.arena.set_state(MB + lb, st_word)  # beta's own lease
+        self.leases[1].set_state(MB + lb, st_word)  # beta's own lease
         self.chans[1].pins[lb] = gid_a
         self._post(1, b & 0xFFFF, area, slot, gen, raw)
 
@@ -230,7 +237,7 @@ class HostileClient(RuleBasedStateMachine):
             r.reset()
         ch.pins[:] = -1
         for i in range(MB, 2 * MB):
-            self.arena.set_state(i, A.CLIENT)
+            self.leases[1].set_state(i, A.CLIENT)
         self.beta_gen += 1
         self.rings.conns["gen"][1] = self.beta_gen
         self.w._poll_conns()
@@ -258,7 +265,7 @@ class HostileClient(RuleBasedStateMachine):
         ch = self.chans[1]
         for lb in range(MB):
             if int(ch.wseq[lb]) and int(ch.wstat[lb]) == 0:
-                data = bytes(self.arena.payload(MB + lb))
+                data = bytes(self.leases[1].payload(MB + lb))
                 assert data in (_page(b"B/page/4"), _page(b"B/page/5")), "beta was served a page not its own"
             if int(ch.wstat[lb]) == ST_REFUSED:
                 self.beta_refused = True

@@ -17,7 +17,7 @@ def test_c_record_layouts_are_the_dtypes() -> None:
         return [dtype.itemsize] + [dtype.fields[f][1] for f in fields]
 
     want = (expect(IO_REQUEST, ["op", "buf", "offset", "length", "gen", "d0", "area", "flags", "slot",
-                                "payload_len", "csum"])
+                                "payload_len", "csum", "conn_gen"])
             + expect(DIRECT_REQ, ["buf", "area", "payload_len", "slot", "gen", "d0"])
             + expect(IO_COMPLETION, ["result", "status", "kind", "latency_ns", "gen", "where"]))
     assert got[:len(want)] == want
