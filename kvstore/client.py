@@ -1,7 +1,7 @@
 """KVCacheClient: the engine side of kvstore, talking to the local cache service.
 
 A connection is a Unix-socket hello followed by shared-memory rings and a
-lease of page buffers in the service's arena (see ``service/protocol.py``).
+lease of page buffers in its own connection segment (see ``ipc/connection.py``).
 Pages move between the device and those buffers with O_DIRECT I/O; ``get``
 hands out read-only views of them (zero copy) until the batch is released.
 
@@ -35,14 +35,14 @@ from .config import check_name, mass_home, run_dir, store_path
 from .errors import (ClosedError, KVStoreError, NotAllowed, QuotaExceeded, ServiceLost, StoreNotFound, Timeout,
                      ViewsInUse, WouldBlock)
 from .digests import check_keys, key_digests, pack_keys
-from .service import protocol as P
+from .ipc import connection as P
 from .ioworkers.aio import FFI, LIB
-from .ioworkers.protocol import ST_OK
+from .ipc.iorings import ST_OK
 from .shm.control import ControlLayout
 from .shm.index import IndexReader
 from .shm.slots import VALID, SlotMap
 from .shm.stats import bucket_of
-from .shm import arena as A
+from .ipc import lease as A
 from .shm.segment import Segment, attach_semaphore, wait_semaphore
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -660,7 +660,7 @@ class KVCacheClient:
                     deadline: float, t0: float) -> PageBatch:
         """A get without the supervisor: pin the slots found, post the reads straight to the device
         workers' rings in our segment, wait for the workers' answers (caller holds the lock).
-        The protocol is in service/protocol.py. A record names the slot, the generation found
+        The protocol is in ipc/connection.py. A record names the slot, the generation found
         and the key id; the worker reads only if the key id, salted with this connection's
         tenant salt, is the digest the service's register holds, and validates the page
         against that register, as for the supervisor's reads."""

@@ -114,8 +114,8 @@ def fuzz_ipc(seconds: float) -> dict[str, Any]:
     from kvstore import KVCacheClient
     from kvstore.config import ServiceConfig
     from kvstore.quickstart import page_bytes
-    from kvstore.service import protocol as P
-    from kvstore.shm import arena as A
+    from kvstore.ipc import connection as P
+    from kvstore.ipc import lease as A
     from kvstore.testing import ServiceProcess, make_store
 
     ps = 16384

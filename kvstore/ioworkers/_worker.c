@@ -8,7 +8,7 @@
    and going, wake-ups (posix semaphores), logging, health, shutdown.
 
    The rules are the ones ioworkers/worker.py's docstring gives; the record layouts are
-   the numpy dtypes of ioworkers/protocol.py and service/protocol.py (tests compare the
+   the numpy dtypes of ipc/iorings.py and ipc/connection.py (tests compare the
    offsets), the slot header the one of storage/header.py and docs/FORMAT.md. */
 
 /* xxh3 from libxxhash, on x86_64 through its runtime dispatch, which picks AVX-512 or AVX2

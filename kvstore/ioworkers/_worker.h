@@ -1,7 +1,7 @@
 /* The I/O worker's structures (ioworkers/_worker.c), in one place for both the C source and
    cffi's declarations (kvstore/ioworkers/_aio_build.py reads this file into both), so the
    two cannot disagree. Plain declarations only: cffi parses them. The record structs are the
-   numpy dtypes of ioworkers/protocol.py and service/protocol.py (tests compare the offsets). */
+   numpy dtypes of ipc/iorings.py and ipc/connection.py (tests compare the offsets). */
 
 struct kv_io_request {  /* IO_REQUEST, 112 bytes */
     uint64_t tag; uint32_t op, buf; uint64_t offset, length, gen, d[4];

@@ -61,13 +61,13 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ..service import protocol as P
-from ..shm.arena import buffer_size
+from ..ipc import connection as P
+from ..ipc.lease import buffer_size
 from ..shm.segment import Segment, attach_semaphore, wait_semaphore
 from ..shm.stats import D, StatsBlock
 from ..storage.superblock import FORMAT_VERSION
 from .aio import FFI, LIB
-from .protocol import IO_COMPLETION, WorkerRings
+from ..ipc.iorings import IO_COMPLETION, WorkerRings
 
 
 @dataclass(frozen=True)

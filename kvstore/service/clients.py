@@ -31,11 +31,11 @@ import numpy as np
 from ..config import StoreConfig
 from ..errors import KVStoreError
 from ..ioworkers.aio import LIB
-from ..ioworkers.protocol import ST_WORKER_LOST
-from ..shm import arena as A
+from ..ipc.iorings import ST_WORKER_LOST
+from ..ipc import lease as A
 from ..shm.segment import Segment, create_semaphore, unlink_semaphore
 from ..shm.stats import StatsBlock
-from . import protocol as P
+from ..ipc import connection as P
 from .connections import Conn, Handshakes, PeerCred, give_back
 from .workers import WorkerSlot
 

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from ..shm import arena as A
+from ..ipc import lease as A
 from ..shm.segment import Segment
-from . import protocol as P
+from ..ipc import connection as P
 
 MAX_PENDING_HELLOS = 64
 

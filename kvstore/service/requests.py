@@ -27,18 +27,18 @@ import numpy as np
 
 from ..config import StoreConfig
 from ..digests import salted_words
-from ..ioworkers.protocol import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER, ST_OK,
+from ..ipc.iorings import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER, ST_OK,
                                   ST_REFUSED, ST_STALE,
                                   ST_WORKER_LOST)
-from ..shm import arena as A
-from ..shm.arena import LeaseStates
+from ..ipc import lease as A
+from ..ipc.lease import LeaseStates
 from ..shm.ring import RingCorrupt
 from ..shm.index import KeyIndex
 from ..shm.slots import RETIRED, VALID, SlotMap
 from ..shm.stats import StatsBlock
 from ..storage.header import HEADER_BLOCK
 from ..storage.superblock import Superblock
-from . import protocol as P
+from ..ipc import connection as P
 from .allocator import Allocator
 from .clients import Clients
 from .connections import Conn, Request, answer, give_back, take

@@ -17,7 +17,7 @@ Shared memory (names from ``shm.segment.name_prefix``):
     <p>stats     stats block
     <p>w<d>      rings of worker d
     <p>c<id>     one per client connection (request ring, descriptors, counters, direct-read
-                 rings, pins; service/protocol.py)
+                 rings, pins; ipc/connection.py)
     sem.<p>bell  doorbell: every producer toward the supervisor posts it
     sem.<p>w<d>  wake-up of worker d;  sem.<p>c<id>.s  wake-up of client id
 
@@ -50,10 +50,10 @@ import zmq
 from ..config import StoreConfig, mass_home, run_dir
 from ..errors import AddressUnavailable, AlreadyRunning, KVStoreError
 from ..logging import recent_warnings
-from ..ioworkers.protocol import REQUEST_RING, WorkerRings
+from ..ipc.iorings import REQUEST_RING, WorkerRings
 from ..crdt.log import SyncRings
 from ..ioworkers.worker import WorkerParams
-from ..shm import arena as A
+from ..ipc import lease as A
 from ..shm.board import BOARD_BYTES, Board
 from ..shm.control import ControlLayout
 from ..shm.index import KeyIndex

@@ -19,9 +19,9 @@ from typing import Any
 import posix_ipc
 
 from ..config import StoreConfig
-from ..ioworkers.protocol import WorkerRings
+from ..ipc.iorings import WorkerRings
 from ..ioworkers.worker import WorkerParams, worker_main
-from ..shm import arena as A
+from ..ipc import lease as A
 from ..shm.segment import Segment
 from ..shm.stats import D, StatsBlock
 from .connections import Conn, give_back

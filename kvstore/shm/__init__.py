@@ -1,4 +1,4 @@
-"""Shared memory: segments, SPSC rings, the page-buffer arena, slot tables, key index, stats.
+"""Shared memory: segments, SPSC rings, slot tables, key index, stats (the page buffers: ``kvstore.ipc``).
 
 Bottom layer beside ``kvstore.storage``: imports only ``errors`` and the
 compiled atomics from ``kvstore.ioworkers._aio`` (the single cffi build holds

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvstore import KVCacheClient  # noqa: E402
 from kvstore.config import ServiceConfig  # noqa: E402
-from kvstore.service import protocol as P  # noqa: E402
+from kvstore.ipc import connection as P  # noqa: E402
 from kvstore.shm.segment import Segment  # noqa: E402
 from kvstore.shm.stats import StatsBlock  # noqa: E402
 from kvstore.testing import ServiceProcess, make_store  # noqa: E402

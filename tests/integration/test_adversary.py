@@ -24,7 +24,7 @@ import pytest
 
 from kvstore import KVCacheClient
 from kvstore.config import ServiceConfig, load_store, run_dir, save_store
-from kvstore.ioworkers.protocol import IO_REQUEST, OP_WRITE, WorkerRings
+from kvstore.ipc.iorings import IO_REQUEST, OP_WRITE, WorkerRings
 from kvstore.quickstart import page_bytes
 from kvstore.shm.segment import Segment, attach_semaphore
 from kvstore.storage.membership import read_membership

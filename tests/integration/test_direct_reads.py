@@ -196,7 +196,7 @@ def test_killed_client_with_reads_posted_does_not_hold_slots(file_devices: Any, 
 
 def _pins(seg_name: str) -> np.ndarray:
     """The pin words of a connection segment (read from outside, as a test may)."""
-    from kvstore.service import protocol as P
+    from kvstore.ipc import connection as P
 
     try:
         seg = Segment.attach(seg_name)

@@ -22,8 +22,8 @@ from kvstore.digests import key_id
 from kvstore.config import ServiceConfig
 from kvstore.errors import Timeout, ViewsInUse
 from kvstore.quickstart import page_bytes
-from kvstore.service import protocol as P
-from kvstore.shm import arena as A
+from kvstore.ipc import connection as P
+from kvstore.ipc import lease as A
 from kvstore.testing import make_store, wait_for
 
 from .test_service import PS, check_batch, dev_size, keys_of, stats

@@ -26,10 +26,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstore.digests import key_digests
 from kvstore.ioworkers.aio import LIB
-from kvstore.ioworkers.protocol import ST_REFUSED, WorkerRings
+from kvstore.ipc.iorings import ST_REFUSED, WorkerRings
 from kvstore.ioworkers.worker import Worker, WorkerParams
-from kvstore.service import protocol as P
-from kvstore.shm import arena as A
+from kvstore.ipc import connection as P
+from kvstore.ipc import lease as A
 from kvstore.shm.control import ControlLayout
 from kvstore.shm.segment import Segment, create_semaphore, unlink_semaphore
 from kvstore.shm.slots import VALID, SlotMap

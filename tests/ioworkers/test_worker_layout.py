@@ -4,8 +4,8 @@ their sizes and field offsets must be the numpy dtypes' of the protocol modules.
 from __future__ import annotations
 
 from kvstore.ioworkers.aio import FFI, LIB
-from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST
-from kvstore.service.protocol import DIRECT_REQ
+from kvstore.ipc.iorings import IO_COMPLETION, IO_REQUEST
+from kvstore.ipc.connection import DIRECT_REQ
 
 
 def test_c_record_layouts_are_the_dtypes() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from kvstore.crdt.log import SYNC_REC
 from kvstore.crdt.register import REGISTER_DTYPE
-from kvstore.ioworkers.protocol import IO_COMPLETION, IO_REQUEST, WCONN as CONN_DTYPE
-from kvstore.service.protocol import DESC_HEAD, DIRECT_REQ, REQ
+from kvstore.ipc.iorings import IO_COMPLETION, IO_REQUEST, WCONN as CONN_DTYPE
+from kvstore.ipc.connection import DESC_HEAD, DIRECT_REQ, REQ
 from kvstore.service.checkpoint import HEAD_DTYPE
 from kvstore.shm.index import ENTRY_DTYPE
 from kvstore.shm.slots import SLOT_DTYPE

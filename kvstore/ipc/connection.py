@@ -48,7 +48,7 @@ Connection segment layout (``ClientChannel``)::
                  pins   i64  client: slot (gid) its direct read into this buffer pins, -1 none
                  dseq   u64  client: seq of the direct read posted into this buffer
                  ddev   u32  client: device of that read
-                 wstat  i32  worker: status of the read (ST_* of ioworkers/protocol.py)
+                 wstat  i32  worker: status of the read (ST_* of ipc/iorings.py)
                  wseq   u64  worker: seq of the read ``wstat`` is for (store-release)
 
 Direct reads (gets that bypass the supervisor; see client.py ``_get_direct``): the client

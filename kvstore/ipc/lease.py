@@ -1,7 +1,7 @@
 """Page buffers: 4 KiB-aligned buffers that a client, the supervisor and the workers share.
 
 Each connection has its own buffers (its *lease*), in its own connection segment
-(service/protocol.py ``ClientChannel.layout``): ``n`` buffers of ``4096 + page_size`` bytes,
+(ipc/connection.py ``ClientChannel.layout``): ``n`` buffers of ``4096 + page_size`` bytes,
 and a state word per buffer::
 
     buffer b at buffers_offset + b * (4096 + page_size):
