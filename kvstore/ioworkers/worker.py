@@ -255,6 +255,7 @@ class Worker:
         self._busy = self.rings.conns["busy"]
         self.conns: dict[int, _Conn] = {}
         self._conn_gens = np.zeros(p.max_clients, dtype=np.uint64)
+        self._gens_seen = self._conn_gens.tobytes()
         self._leaving: list[_Conn] = []   # gone from the table, still with reads in flight
         self._log = structlog.get_logger(__name__)
 
@@ -313,9 +314,11 @@ class Worker:
         t = self.conn_table
         if t is None:
             return
-        gens = t["gen"].copy()  # a cheap look each loop turn; most turns nothing changed
-        if np.array_equal(gens, self._conn_gens):
+        raw = t["gen"].tobytes()  # a cheap look each loop turn; most turns nothing changed
+        if raw == self._gens_seen:
             return
+        gens = np.frombuffer(raw, dtype="<u8")
+        retry = False
         for cid in np.nonzero(gens != self._conn_gens)[0].tolist():
             old = self.conns.pop(cid, None)
             if old is not None:
@@ -326,7 +329,8 @@ class Worker:
             self._conn_gens[cid] = 0
             if int(gens[cid]):
                 if not self._free_slots:
-                    continue  # every slot holds a connection with reads in flight: next turn
+                    retry = True  # every slot holds a connection with reads in flight: next turn
+                    continue
                 k = self._free_slots.pop()
                 try:
                     conn = _Conn(self.p, cid, t[cid], k, self._cslots[k], self._busy[cid:cid + 1])
@@ -336,6 +340,8 @@ class Worker:
                 except Exception:  # posix_ipc.ExistentialError, or a segment of another size
                     self._free_slots.append(k)  # already gone again (its segment unlinked): the table will say so
             self._conn_gens[cid] = gens[cid]
+        if not retry:
+            self._gens_seen = raw
         self._close_left()
 
     def _close_left(self) -> None:

@@ -170,23 +170,19 @@ class LeaseStates:
         self._ptrs[k] = None
         self._keep[k] = None
 
-    def _p(self, i: int) -> Any:
-        k, b = divmod(i, self.per_lease)
-        p = self._ptrs[k] if 0 <= k < len(self._ptrs) else None
-        return None if p is None else p + b
-
+    # (called per buffer on the service's hot path: kept to one list look-up and one cffi call)
     def state(self, i: int) -> int:
         """Current owner state of buffer ``i`` (load-acquire); FREE if its lease is gone."""
-        p = self._p(i)
-        return FREE if p is None else int(LIB.kv_load_acquire_u32(p))
+        p = self._ptrs[i // self.per_lease]
+        return FREE if p is None else int(LIB.kv_load_acquire_u32(p + i % self.per_lease))
 
     def set_state(self, i: int, state: int) -> None:
         """Hand buffer ``i`` on (store-release), if its lease is still there."""
-        p = self._p(i)
+        p = self._ptrs[i // self.per_lease]
         if p is not None:
-            LIB.kv_store_release_u32(p, state)
+            LIB.kv_store_release_u32(p + i % self.per_lease, state)
 
     def cas_state(self, i: int, expected: int, desired: int) -> bool:
         """Compare-and-swap buffer ``i``'s state; False if its lease is gone."""
-        p = self._p(i)
-        return p is not None and bool(LIB.kv_cas_u32(p, expected, desired))
+        p = self._ptrs[i // self.per_lease]
+        return p is not None and bool(LIB.kv_cas_u32(p + i % self.per_lease, expected, desired))
