@@ -163,9 +163,9 @@ class ServiceConfig:
     """Seconds between slot-table checkpoints (and one at every clean stop), which let a restart
     skip reading every slot header; 0 turns checkpoints off (every start scans the devices)."""
     clients_per_user: int = 0
-    """Client connections one local user (uid) may hold at once; 0: ``max_clients``. Set it
-    below ``max_clients`` where several users share a service, so that one cannot take every
-    place."""
+    """Client connections one local user (uid) may hold at once. 0 (the default): the service's
+    own user ``max_clients``, any other user (a member of ``access_group``) a quarter of them
+    (at least 1), so that no other user can take every place."""
     access_group: str = ""
     """Unix group whose members' engines may connect (the socket and the segments a client
     writes get group read/write, the lookup tables group read; the service's own rings stay

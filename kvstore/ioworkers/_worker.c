@@ -262,6 +262,7 @@ static void kv_complete(struct kv_worker *w, int32_t k, int64_t res, uint64_t no
     }
     kv_observe(w, is_read ? w->hread : w->hwrite, lat);
     if (p->conn >= 0) {
+        __atomic_store_n(&w->wpins[k], -1, __ATOMIC_RELEASE);  /* the page is in the buffer */
         kv_answer_direct(w, p, status, res, lat);
     } else {
         struct kv_completion rec = {p->r.tag, res, status, KV_K_SUPERVISOR, lat, 0, 0};
@@ -298,6 +299,13 @@ static int32_t kv_slot(struct kv_worker *w, uint64_t now) {
     int32_t k = w->free_slots[--w->nfree];
     w->pend[k].t0 = (int64_t)now;
     return k;
+}
+
+/* Give back an I/O slot taken for a direct read that is answered without a read. */
+static void kv_unslot(struct kv_worker *w, int32_t k) {
+    __atomic_store_n(&w->wpins[k], -1, __ATOMIC_RELEASE);
+    w->pend[k].t0 = 0;
+    w->free_slots[w->nfree++] = k;
 }
 
 static void kv_prep(struct kv_worker *w, int32_t k, int write, uint64_t offset, int32_t *batch, int *n) {
@@ -431,20 +439,28 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
             }
             struct kv_slot reg;
             uint64_t gid = w->area_gid[d.area] + d.slot;
+            /* the worker pins the slot itself before it looks at the register: the supervisor
+               retires a slot, fences, and reuses it only while no worker pins it, so either it
+               sees this pin or this look sees the retirement. What a client writes in its own
+               pin words is never asked (a client could pin anyone's slots with them) */
+            int32_t k = kv_slot(w, now);
+            __atomic_store_n(&w->wpins[k], (int64_t)gid, __ATOMIC_RELEASE);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
             int valid = kv_register(w, gid, &reg);
             if (!valid || reg.gen != d.gen || !reg.length || reg.length > w->page_size) {
+                kv_unslot(w, k);
                 kv_answer_now(w, ci, d.buf, d.seq, KV_ST_STALE, &d);  /* changed since the client looked */
                 continue;
             }
             uint8_t salted[32];
             b2b_256_from(c->keyed, 128, (const uint8_t *)d.d, 32, salted);
             if (memcmp(salted, reg.d, 32) != 0) {
+                kv_unslot(w, k);
                 kv_answer_now(w, ci, d.buf, d.seq, KV_ST_REFUSED, &d);
                 kv_refuse(w, c, &d);
                 break;
             }
             uint64_t len = reg.length;
-            int32_t k = kv_slot(w, now);
             struct kv_pend *p = &w->pend[k];
             memset(&p->r, 0, sizeof p->r);
             p->r.tag = w->next_direct++;

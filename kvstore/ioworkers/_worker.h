@@ -61,6 +61,8 @@ struct kv_worker {
     const void *slots;           /* the slot table (struct kv_slot): what a direct read is checked against */
     const uint64_t *area_gid;    /* global slot id of each area's slot 0 on this device */
     uint8_t *ref;                /* CLOCK reference bits, set for each page a client read */
+    int64_t *wpins;              /* by I/O slot: the slot (gid) a direct read in it pins, -1 none
+                                    (the worker's segment; the supervisor reuses no slot pinned here) */
     uint64_t *row; int32_t didx[12]; uint64_t *hread, *hwrite; int32_t hist_buckets;
     struct kv_wconn *conns; int32_t nconn;
     /* read and reset by Python after each call */

@@ -230,6 +230,8 @@ class Worker:
         self._ctl = FFI.from_buffer(self.control_seg.buf)
         w.slots = self._ctl
         w.ref = FFI.cast("uint8_t *", self._ctl + p.ref_offset) if p.ref_offset >= 0 else FFI.NULL
+        self.rings.pins[:] = -1  # nothing of a predecessor's is in flight (its rings were reset)
+        w.wpins = _ptr("int64_t *", self.rings.pins)
         self.row = self.stats.device[d]
         w.row = _ptr("uint64_t *", self.row)
         w.didx = [D[n] for n in _COUNTERS]

@@ -52,11 +52,12 @@ Connection segment layout (``ClientChannel``)::
                  wseq   u64  worker: seq of the read ``wstat`` is for (store-release)
 
 Direct reads (gets that bypass the supervisor; see client.py ``_get_direct``): the client
-finds the slot in the shared index, pins it (``pins``, a full fence, then it checks the
-slot is still the one it found: the supervisor retires, fences, and checks ``pins``
-before it reuses a slot, so one of the two sees the other), hands the buffer over by
-setting its arena state to DIRECT tagged with the connection's generation, and posts a
-DIRECT_REQ to the device's ring. The worker takes the buffer with a compare-and-swap
+finds the slot in the shared index, notes it in ``pins`` (its own bookkeeping: the service
+does not ask it), checks the slot is still the one it found, hands the buffer over by
+setting its state to DIRECT tagged with the connection's generation, and posts a
+DIRECT_REQ to the device's ring. The worker pins the slot in its own segment, fences, and
+checks the slot table's register (the supervisor retires, fences, and checks the workers'
+pins before it reuses a slot, so one of the two sees the other). The worker takes the buffer with a compare-and-swap
 DIRECT -> READING (the generation must match: a record left by a connection that is
 gone cannot take a buffer of the next one), reads, validates exactly as for the
 supervisor's reads, writes ``wstat`` and ``wseq``, sets the state CLIENT and posts the

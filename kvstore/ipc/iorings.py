@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ioworkers.aio import FFI, LIB
 from ..shm.ring import Ring
 
 OP_READ = 0
@@ -82,8 +83,12 @@ REQUEST_RING = 1024
 DONE_RING = 1024
 
 
+WPINS = 4096  # the worker's pins: one per I/O slot (at most 4096 slots, _worker.c KV_MAX_DEPTH)
+
+
 class WorkerRings:
-    """The three rings of one worker's control segment, at fixed offsets, and its connection table."""
+    """The three rings of one worker's control segment, at fixed offsets, its connection table
+    and its pins."""
 
     def __init__(self, buf: Any, max_clients: int = 0) -> None:
         o = 0
@@ -95,12 +100,21 @@ class WorkerRings:
         o += Ring.nbytes(DONE_RING, IO_COMPLETION)
         self.conns = np.frombuffer(buf, dtype=WCONN, count=max_clients, offset=o)
         """The connections whose direct reads the worker serves, by connection id."""
+        o += max_clients * WCONN.itemsize
+        self.pins = np.frombuffer(buf, dtype="<i8", count=WPINS, offset=o)
+        """By I/O slot: the slot (global id) a direct read in flight pins, -1 none (the worker writes)."""
+        self._pins = FFI.cast("int64_t *", FFI.from_buffer(buf) + o)
+        self._keep = buf
+
+    def pinned(self, gid: int) -> bool:
+        """Whether a direct read of this worker pins slot ``gid`` (the caller fences first)."""
+        return bool(LIB.kv_contains_i64(self._pins, WPINS, gid))
 
     @staticmethod
     def nbytes(max_clients: int = 0) -> int:
         """Size of the control segment."""
         return (2 * Ring.nbytes(REQUEST_RING, IO_REQUEST) + Ring.nbytes(DONE_RING, IO_COMPLETION)
-                + max_clients * WCONN.itemsize)
+                + max_clients * WCONN.itemsize + 8 * WPINS)
 
     def reset(self) -> None:
         """Empty all three rings; a worker that is gone holds no buffer (only while no worker runs)."""
@@ -108,3 +122,4 @@ class WorkerRings:
         self.writes.reset()
         self.done.reset()
         self.conns["busy"] = 0
+        self.pins[:] = -1

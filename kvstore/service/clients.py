@@ -119,7 +119,10 @@ class Clients:
                                 "(client and service of different kvstore versions?)")
         if len(self.conns) >= cfg.service.max_clients:
             self.reap()  # a client that just closed must not hold a place against this one
-        cap = cfg.service.clients_per_user or cfg.service.max_clients
+        # one user may not take every place: by default another user (an access-group member)
+        # gets a quarter of them, the service's own user all (its engines are the deployment's)
+        cap = cfg.service.clients_per_user or (cfg.service.max_clients if cred.uid == os.getuid()
+                                                else max(1, cfg.service.max_clients // 4))
         if sum(1 for c in self.conns.values() if c.cred.uid == cred.uid) >= cap:
             return self._refuse(s, "busy", f"user {cred.uid} has its maximum of {cap} clients "
                                 "(service.clients_per_user in the store config)")
@@ -306,12 +309,13 @@ class Clients:
         return sum(1 for c in self.conns.values() if c.alive)
 
     def reading(self, gid: int) -> bool:
-        """Whether a client pins ``gid`` for a direct read (the allocator asks before it reuses a
-        retired slot). The fence pairs with the client's between pinning and checking the slot:
-        the slot was retired before this call, so a client that pinned it after our look sees
-        it retired and does not read it."""
+        """Whether a worker's direct read pins ``gid`` (the allocator asks before it reuses a
+        retired slot). The fence pairs with the worker's between pinning and reading the
+        register: the slot was retired before this call, so a worker that pinned it after our
+        look sees it retired and does not read it. The clients' own pin words are not asked:
+        a client could name anyone's slots there."""
         LIB.kv_fence()
-        return any(c.chan.pinned(gid) for c in self.conns.values())
+        return any(w.rings.pinned(gid) for w in self.workers)
 
     def fail_direct_reads(self, device: int) -> None:
         """The worker of ``device`` is gone (no more DMA can land): fail the direct reads it had

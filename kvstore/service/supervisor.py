@@ -245,8 +245,9 @@ class Supervisor:
                 seg = self._segment(f"w{d}", WorkerRings.nbytes(cfg.service.max_clients), 0o600)
                 wake_name = self.prefix + f"w{d}"
                 wake = self._sem(f"w{d}")
-                self.workers.append(WorkerSlot(d, path, seg, WorkerRings(seg.buf, cfg.service.max_clients), wake,
-                                               wake_name))
+                rings = WorkerRings(seg.buf, cfg.service.max_clients)
+                rings.pins[:] = -1  # no direct read pins anything yet
+                self.workers.append(WorkerSlot(d, path, seg, rings, wake, wake_name))
             self._mp = multiprocess.get_context("spawn")
             self.requests = Requests(self)
             self.pool = Workers(cfg=lambda: self.cfg, stopping=lambda: self.stop, mp=self._mp, stats=self.stats,

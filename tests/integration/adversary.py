@@ -305,6 +305,12 @@ def main() -> None:
             struct.pack_into("<q", seg, lay.pins + 8 * b, b % max(1, nslots))
         s.close()
         rep["left"] = True
+    elif attack == "pinall":
+        # name every slot of the store in our pin words and sit there (the first version's
+        # service kept every slot so named from reuse: another tenant's writes stopped)
+        for b in range(mb):
+            struct.pack_into("<q", seg, lay.pins + 8 * b, b % max(1, nslots))
+        rep["disconnected"] = closed_by_service(s, seconds)
     elif attack == "idle":
         rep["disconnected"] = closed_by_service(s, seconds)
     else:

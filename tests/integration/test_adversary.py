@@ -196,6 +196,30 @@ def test_impossible_ring_tails_stop_no_write(home: Path, file_devices: Any, serv
     assert _stats(home, "t").clients_refused >= 1
 
 
+def test_pin_words_hold_no_one_elses_slot(home: Path, file_devices: Any, services: Any) -> None:
+    """Beta writes every slot id into its pin words and stays connected while alpha's writes
+    wrap around the area: the service asks only the workers' own pins, so every one of alpha's
+    writes is stored and readable (before, the named slots stayed out of reuse: alpha's writes
+    were dropped and its cache emptied)."""
+    sc = Scene(home, file_devices, services, same_uid=False, slots=60)
+    own = _stats(home, "t").own_slots
+    first = [b"alpha/old/%d" % i for i in range(own)]
+    with sc.alpha() as a:
+        _save(a, first)
+    adv = sc.attack_in_background("pinall", 15.0)
+    try:
+        assert wait_for(lambda: _stats(home, "t").clients_connected >= 1, 20)
+        time.sleep(0.5)  # its pin words are written right after the hello
+        fresh = [b"alpha/new/%d" % i for i in range(own)]
+        with sc.alpha() as a:
+            _save(a, fresh)  # asserts every page stored
+            assert _all_good(a, fresh)
+    finally:
+        adv.kill()
+        adv.wait()
+        sc.restore()
+
+
 def test_clients_that_leave_their_lease_marked_held_leave_nothing(home: Path, file_devices: Any,
                                                                   services: Any) -> None:
     """A client marks its whole lease as being read (and some buffers quarantined), sets pins and
@@ -297,6 +321,35 @@ def test_a_connection_flood_does_not_keep_a_healthy_client_out(home: Path, file_
     finally:
         flood.kill()
         flood.wait()
+        for d, m in opened:
+            os.chmod(d, m)
+
+
+def test_another_user_cannot_take_every_place(home: Path, file_devices: Any, services: Any) -> None:
+    """With the default config, another user holds at most a quarter of ``max_clients``; the
+    service's own user still connects (an outside review took all 16 places as nobody)."""
+    sc = Scene(home, file_devices, services, same_uid=False)
+    code = ("import sys, json, time; sys.path.insert(0, sys.argv[1]); import adversary\n"
+            "got = []\n"
+            "for _ in range(16):\n"
+            "    s, h, fds = adversary.hello(sys.argv[2], 'beta'); got.append((s, h.get('ok'), h.get('kind')))\n"
+            "print(json.dumps([[ok, kind] for _s, ok, kind in got]), flush=True); time.sleep(float(sys.argv[3]))\n")
+    opened = sc._opened()
+    for d, m in opened:
+        os.chmod(d, m | 0o005)
+    p = subprocess.Popen(["setpriv", "--reuid=65534", f"--regid={sc.gid}", "--clear-groups", "/usr/bin/python3",
+                          "-c", code, str(ADVERSARY.parent), str(sc.sock), "10"], stdout=subprocess.PIPE, text=True,
+                         cwd="/")
+    try:
+        assert p.stdout is not None
+        got = json.loads(p.stdout.readline())
+        assert sum(1 for ok, _k in got if ok) == 4, got           # a quarter of 16
+        assert all(k == "busy" for ok, k in got if not ok), got
+        with sc.alpha() as a:                                      # the service's own user gets in
+            assert a.lookup([b"x"]) == 0
+    finally:
+        p.kill()
+        p.wait()
         for d, m in opened:
             os.chmod(d, m)
 

@@ -58,7 +58,7 @@ class HostileClient(RuleBasedStateMachine):
     @initialize()
     def build(self) -> None:
         tag = uuid.uuid4().hex[:8]
-        self.prefix = f"kvs.hostile{tag}."
+        self.prefix = f"kvstest-hostile{tag}."
         self.dev = Path(f"/tmp/kvs-hostile-{tag}.img")
         self.smap = SlotMap([[SLOTS, SLOTS]])
         self.lay = ControlLayout.of(self.smap.total)
@@ -138,17 +138,21 @@ class HostileClient(RuleBasedStateMachine):
         self.alpha_bytes = self._alpha_lease()
 
     def teardown(self) -> None:
-        if self.w is not None:
-            while self.w.w.outstanding:
-                self.w._reap(1, 1.0)
-            self.w.close()
-        for s in getattr(self, "segs", []):
-            s.close()
-            s.unlink()
-        for n in getattr(self, "sems", []):
-            unlink_semaphore(n)
-        if hasattr(self, "dev"):
-            self.dev.unlink(missing_ok=True)
+        try:
+            if self.w is not None:
+                for _ in range(100):
+                    if not self.w.w.outstanding:
+                        break
+                    self.w._reap(1, 0.1)
+                self.w.close()
+        finally:  # whatever failed, nothing of this example stays in /dev/shm or /tmp
+            for s in getattr(self, "segs", []):
+                s.close()
+                s.unlink()
+            for n in getattr(self, "sems", []):
+                unlink_semaphore(n)
+            if hasattr(self, "dev"):
+                self.dev.unlink(missing_ok=True)
 
     # ---- helpers ------------------------------------------------------------------------------
     def arena(self, i: int) -> A.Arena:
@@ -181,7 +185,10 @@ class HostileClient(RuleBasedStateMachine):
         for i in range(4):
             rec[f"d{i}"] = words[i]
         ch.dseq[b % MB] = seq
-        ch.direct[0].put_many(rec) if ch.direct[0].free() > 0 else None
+        r = ch.direct[0]  # written by hand, as a hostile producer does: whatever its words say
+        tail = int(r._tail[0])
+        r._recs[tail & r._mask] = rec[0]
+        LIB.kv_store_release_u64(r._tail, (tail + 1) % (1 << 64))
         return seq
 
     # ---- alpha: honest ------------------------------------------------------------------------
@@ -280,6 +287,7 @@ class HostileClient(RuleBasedStateMachine):
         assert (busy >= 0).all()
         if not self.w.w.outstanding:
             assert (busy == 0).all(), busy
+            assert (self.rings.pins == -1).all(), "a pin outlived its read"
 
     @precondition(lambda self: self.w is not None)
     @invariant()
