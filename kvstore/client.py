@@ -43,7 +43,8 @@ from .shm.index import IndexReader
 from .shm.slots import VALID, SlotMap
 from .shm.stats import bucket_of
 from .ipc import lease as A
-from .shm.segment import Segment, attach_semaphore, wait_semaphore
+from .shm.segment import Segment
+from .shm.wake import WakeReader, WakeWriter
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_POLL_S = 0.002  # see ``connect``
@@ -242,7 +243,7 @@ class KVCacheClient:
     """
 
     def __init__(self, sock: socket.socket, hello: dict[str, Any], timeout: float,
-                 poll_s: float = 0.0, seg_fd: int = -1) -> None:
+                 poll_s: float = 0.0, seg_fd: int = -1, wake_fd: int = -1) -> None:
         self._sock = sock
         self.timeout = timeout
         self._poll_s = poll_s
@@ -259,9 +260,12 @@ class KVCacheClient:
         self._service_pid: int = hello["service_pid"]
         # our connection's segment (channel and lease) comes as a file descriptor over the socket:
         # it is owner-only, no other process of another user can open it by name
-        if seg_fd < 0:
+        if seg_fd < 0 or wake_fd < 0:
             raise KVStoreError("the service sent no connection segment (client and service of different "
                                "kvstore versions?)")
+        # our wake-up too: a FIFO whose only read end is ours (shm/wake.py), so nobody can take
+        # the wake-ups meant for us; the service's and the workers' we may only post
+        self._wake = WakeReader.adopt(wake_fd)
         self._seg = Segment.adopt(hello["segment"], seg_fd)
         self._control_seg = Segment.attach(hello["control"], readonly=True)  # the service's word: read only
         states_off, buffers_off, size = P.ClientChannel.layout(self.max_batch, len(hello["areas"]), self.page_size)
@@ -272,8 +276,7 @@ class KVCacheClient:
         self._arena = A.Arena(self._seg.buf, states_off, buffers_off, self.max_batch, self.page_size,
                               first=hello["lease_start"])
         self._chan = P.ClientChannel(self._seg.buf, self.max_batch, len(hello["areas"]))
-        self._sem = attach_semaphore(hello["sem"])
-        self._doorbell = attach_semaphore(hello["doorbell"])
+        self._doorbell = WakeWriter.open(hello["doorbell"])
         self._lease = range(hello["lease_start"], hello["lease_start"] + hello["lease_count"])
         self._lease_states = np.frombuffer(self._seg.buf, dtype="<u4", count=hello["lease_count"], offset=states_off)
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
@@ -291,7 +294,7 @@ class KVCacheClient:
         self._index = IndexReader(lay.index_seq(cb), lay.index_entries(cb), self._slots)
         self._smap = SlotMap(hello["areas"])  # where each slot is, for direct reads
         self._direct_state = A.tagged(A.DIRECT, hello["generation"])
-        self._wakes = [attach_semaphore(name) for name in hello["workers"]]
+        self._wakes = [WakeWriter.open(name) for name in hello["workers"]]
         self._lock = threading.Lock()
         self._seq = 1
         self._closed = False
@@ -354,7 +357,7 @@ class KVCacheClient:
         except (OSError, ValueError, ConnectionError) as e:
             s.close()
             raise ServiceLost(f"handshake with the service of {store!r} failed: {e}") from None
-        if not hello.get("ok") or len(fds) != 1:
+        if not hello.get("ok") or len(fds) != 2:
             s.close()
             for fd in fds:
                 os.close(fd)
@@ -363,7 +366,7 @@ class KVCacheClient:
             if hello.get("kind") == "tenant":
                 raise NotAllowed(f"the service of {store!r} refused the connection: {hello.get('error')}")
             raise KVStoreError(f"the service of {store!r} refused the connection: {hello.get('error')}")
-        return cls(s, hello, timeout, poll_s, fds[0])
+        return cls(s, hello, timeout, poll_s, fds[0], fds[1])
 
     def close(self) -> None:
         """Disconnect (idempotent).
@@ -381,7 +384,7 @@ class KVCacheClient:
                              "(slices or numpy arrays made from them): drop or copy them, then close again")
         self._closed = True
         self._sock.close()
-        self._sem.close()
+        self._wake.close()
         self._doorbell.close()
         for w in self._wakes:
             w.close()
@@ -477,7 +480,7 @@ class KVCacheClient:
             if left <= 0:
                 raise Timeout(f"the service still holds all {P.NDESC} requests of this connection "
                               "(earlier calls timed out); treat these pages as misses")
-            wait_semaphore(self._sem, min(left, 0.05))
+            self._wake.wait(min(left, 0.05))
 
     def _call(self, d: P.Descriptor, op: int, count: int, flags: int, deadline: float,
               bufs: Sequence[int] = ()) -> tuple[int, np.ndarray[Any, Any]]:
@@ -503,7 +506,7 @@ class KVCacheClient:
         except WouldBlock:  # cannot happen: the ring holds as many records as there are descriptors
             d.set_state(P.D_FREE)
             raise Timeout("the service did not take the request in time") from None
-        self._doorbell.release()
+        self._doorbell.post()
         return seq
 
     def _await(self, d: P.Descriptor, seq: int, count: int, deadline: float,
@@ -531,7 +534,7 @@ class KVCacheClient:
                 self._orphans.update(bufs)
                 raise Timeout(f"no answer from the cache service within the timeout ({self.timeout} s "
                               "default); treat these pages as misses")
-            wait_semaphore(self._sem, min(left, 0.05))
+            self._wake.wait(min(left, 0.05))
 
     def _keys(self, d: P.Descriptor, ids: np.ndarray[Any, Any], start: int, n: int) -> None:
         d.keys[:n] = ids[start:start + n]
@@ -708,7 +711,7 @@ class KVCacheClient:
                 taken = on[:max(0, ch.direct[dv].free())].tolist()
                 if taken:
                     ch.direct[dv].put_many(recs[taken])
-                    self._wakes[dv].release()
+                    self._wakes[dv].post()
                 for j in on[len(taken):].tolist():
                     b = int(lbs[j])
                     self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT)
@@ -748,7 +751,7 @@ class KVCacheClient:
             if time.monotonic() < poll_until:
                 os.sched_yield()
                 continue
-            wait_semaphore(self._sem, min(rest, 0.05))
+            self._wake.wait(min(rest, 0.05))
         batch = self._views(bufs, good)
         c = ch.counters
         c[P.C_GETS] += 1

@@ -200,7 +200,7 @@ class ServiceProcess:
             seg.close()
 
     def leftovers(self) -> list[str]:
-        """shm segments and semaphores of this service still present."""
+        """shm segments and wake-up FIFOs of this service still present."""
         return leftovers(self.prefix)
 
     def __enter__(self) -> ServiceProcess:

@@ -168,7 +168,7 @@ def fuzz_ipc(seconds: float) -> dict[str, Any]:
                         ch.requests.put_nowait((seq, named, 0))
                     except Exception:
                         pass
-                    evil._doorbell.release()
+                    evil._doorbell.post()
                     res["inputs"] += 1
                     # a posted descriptor named by its record must be answered, whatever it holds;
                     # any other record must at least be consumed

@@ -35,7 +35,8 @@ import structlog
 import zmq
 
 from ..shm.board import Board
-from ..shm.segment import Segment, attach_semaphore
+from ..shm.segment import Segment
+from ..shm.wake import WakeWriter
 from ..shm.slots import SlotMap
 from ..shm.stats import StatsBlock
 from .delta import BadMessage, decode, encode
@@ -116,7 +117,7 @@ class Agent:
         self.rings = SyncRings(self.seg.buf)
         self.stats_seg = Segment.attach(p.stats_name)
         self.stats = StatsBlock.attach(self.stats_seg.buf)
-        self.doorbell = attach_semaphore(p.doorbell)
+        self.doorbell = WakeWriter.open(p.doorbell)
         self.t = Transport(p.public_key, p.secret_key, [x.public_key for x in p.peers])
         try:
             self.pub = self.t.publisher(p.pub)
@@ -153,7 +154,7 @@ class Agent:
         if inn.free() < len(recs):
             return False
         inn.put_many(recs)
-        self.doorbell.release()
+        self.doorbell.post()
         return True
 
     def _accept(self, peer: int, regs: np.ndarray[Any, Any]) -> bool:
@@ -369,6 +370,7 @@ class Agent:
     def close(self) -> None:
         """Close sockets and mappings."""
         self.t.close()
+        self.doorbell.close()
         self.board = None
         if self.board_seg is not None:
             self.board_seg.close()

@@ -5,7 +5,7 @@
    checksum itself; on a memory-backed device that CPU is taken from the kernel thread
    that moves the data. One call here does a whole loop turn (reap, validate, answer,
    take, submit); Python keeps what happens once per turn or less: connections coming
-   and going, wake-ups (posix semaphores), logging, health, shutdown.
+   and going, wake-ups (FIFOs, shm/wake.py), logging, health, shutdown.
 
    The rules are the ones ioworkers/worker.py's docstring gives; the record layouts are
    the numpy dtypes of ipc/iorings.py and ipc/connection.py (tests compare the

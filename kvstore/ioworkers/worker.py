@@ -19,14 +19,14 @@ can wait; and a deep write queue in the device is read latency):
    since a client that just got its page often posts the next at once and a
    sleeping worker's wake-up costs tens of microseconds (big batches do not:
    the polling would take a core from whoever prepares the next one); then
-   wait for the supervisor's wake-up semaphore (50 ms at most, then check the
-   parent is alive).
+   wait for its wake-up (a FIFO only it drains, shm/wake.py; 50 ms at most,
+   then check the parent is alive).
 
 Clients' direct reads (gets that bypass the supervisor) come on one ring per
 connection per device, in the connection's segment; the worker finds the
 connections in the control segment's connection table, serves their rings in
 step 2 with the supervisor's reads, answers the client itself (result words in
-the connection segment, the buffer handed back, the client's semaphore
+the connection segment, the buffer handed back, the client's wake-up
 posted) and then reports the read to the supervisor on ``done`` for its
 statistics, hints and dropping locations that fail validation: if that ring is
 full (the supervisor stalled), the report is dropped, the client's read is not
@@ -36,7 +36,7 @@ The per-I/O work is compiled (``_worker.c``: ``kv_wk_turn`` does steps 1-4
 for every ring, ``kv_wk_reap`` the waiting in step 5): reading ring records,
 building iocbs, encoding and checking slot headers, checksums, answering
 clients and reporting. This module keeps what happens once per turn or less:
-following the connection table, the wake-ups (posix semaphores), logging
+following the connection table, the wake-ups (FIFOs, shm/wake.py), logging
 headers that were not the expected ones, idling, health of the parent,
 shutdown. If the supervisor stops draining ``done``, its completions wait in
 the worker (at most one per I/O slot) and no more of its requests are taken
@@ -63,7 +63,8 @@ import structlog
 
 from ..ipc import connection as P
 from ..ipc.lease import buffer_size
-from ..shm.segment import Segment, attach_semaphore, wait_semaphore
+from ..shm.segment import Segment
+from ..shm.wake import WakeReader, WakeWriter
 from ..shm.stats import D, StatsBlock
 from ..storage.superblock import FORMAT_VERSION
 from .aio import FFI, LIB
@@ -93,7 +94,9 @@ class WorkerParams:
     max_clients: int = 0
     """Entries of the worker's connection table (0: no direct reads)."""
     conn_prefix: str = ""
-    """Connection ``cid``'s segment is ``conn_prefix + str(cid)``, its semaphore that plus ``.s``."""
+    """Connection ``cid``'s segment is ``conn_prefix + str(cid)``."""
+    wake_prefix: str = ""
+    """Connection ``cid``'s wake-up is ``wake_prefix + str(cid)`` (shm/wake.py)."""
     n_devices: int = 1
     slot_size: int = 0
     area_offsets: tuple[int, ...] = ()
@@ -143,10 +146,16 @@ class _Conn:
                 raise ValueError("connection segment smaller than its layout")
             self.chan = P.ClientChannel(self.seg.buf, lease_count, p.n_devices)
             self._mem = FFI.from_buffer(self.seg.buf)
-            self.sem = attach_semaphore(p.conn_prefix + f"{cid}.s")
         except BaseException:
             self.seg.close()
             raise
+        # its wake-up, if its client still holds the read end (a client that closed it cannot be
+        # woken, and polls; its reads are served all the same: the ring is not held up for it)
+        self.wake: WakeWriter | None = None
+        try:
+            self.wake = WakeWriter.open(p.wake_prefix + str(cid))
+        except OSError:
+            pass
         self.c = c
         c.gen = self.gen & 0xFFFFFFFF
         c.cid = cid
@@ -171,7 +180,8 @@ class _Conn:
         c.live = 1
 
     def close(self) -> None:
-        self.sem.close()
+        if self.wake is not None:
+            self.wake.close()
         del self.chan
         del self._mem, self.base
         self.seg.close()
@@ -187,8 +197,8 @@ class Worker:
         self.rings = WorkerRings(self.wseg.buf, p.max_clients)
         self.stats_seg = Segment.attach(p.stats_name)
         self.stats = StatsBlock.attach(self.stats_seg.buf)
-        self.doorbell = attach_semaphore(p.doorbell)
-        self.wakeup = attach_semaphore(p.wakeup)
+        self.doorbell = WakeWriter.open(p.doorbell)
+        self.wakeup = WakeReader.open(p.wakeup)
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if p.direct else 0)
         self.fd = os.open(p.device_path, flags)
         self.stop = False
@@ -278,16 +288,13 @@ class Worker:
         w = self.w
         if w.bell:
             w.bell = 0
-            self.doorbell.release()
+            self.doorbell.post()
         for i in range(w.nwake):
             k = int(self._wake[i])
             self._cslots[k].wake = 0
             c = self._by_slot.get(k)
-            if c is not None:
-                try:
-                    c.sem.release()
-                except Exception:
-                    pass  # the semaphore is gone with the client: nothing to wake
+            if c is not None and c.wake is not None:
+                c.wake.post()
         w.nwake = 0
         for i in range(w.nbad):
             b = w.bad[i]
@@ -384,7 +391,7 @@ class Worker:
             elif small and now - busy < IDLE_POLL_S:
                 os.sched_yield()  # a client that just got its page often asks for the next at once
             else:
-                wait_semaphore(self.wakeup, 0.05)
+                self.wakeup.wait(0.05)
                 now = time.monotonic()
             if now - last_check > 0.5:
                 last_check = now
@@ -400,6 +407,8 @@ class Worker:
             c.close()
         LIB.kv_wk_free(self.w)
         os.close(self.fd)
+        self.doorbell.close()
+        self.wakeup.close()
 
 
 def worker_main(p: WorkerParams) -> None:

@@ -2,22 +2,26 @@
 
 Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)::
 
-    client -> service  {"v": 3, "op": "hello", "tenant": str}
-    service -> client  {"v": 3, "ok": true, "client_id": int, "page_size": int,
+    client -> service  {"v": 4, "op": "hello", "tenant": str}
+    service -> client  {"v": 4, "ok": true, "client_id": int, "page_size": int,
                         "max_batch": int, "lease_start": int, "lease_count": int,
                         "control": str, "slots": int, "salt": bytes,
                         "segment": str, "states_offset": int, "buffers_offset": int,
-                        "sem": str, "doorbell": str,
+                        "doorbell": str, "workers": [str],
                         "service_pid": int, "store": str, "server": str, "tenant": str}
-                       with the connection segment's file descriptor (SCM_RIGHTS)
-                   or  {"v": 3, "ok": false, "error": str, "kind": str}
+                       with two file descriptors (SCM_RIGHTS): the connection segment
+                       and the read end of the client's wake-up
+                   or  {"v": 4, "ok": false, "error": str, "kind": str}
 
 ``slots`` gives the control segment's layout (shm/control.py), which the client maps
 read-only to answer lookups itself from the key index; ``salt`` is the granted tenant's
 salt, with which it computes the digests it looks up (kvstore/digests.py). The
 connection's own segment (``ClientChannel.layout``: this channel, then its lease's state
 words and buffers) is owner-only: the client maps it from the descriptor sent with the
-answer, so no process of another user can open another connection's segment.
+answer, so no process of another user can open another connection's segment. Wake-ups
+are FIFOs (shm/wake.py): ``doorbell`` (the supervisor's) and ``workers`` (each I/O
+worker's) name FIFOs the client may open for writing only; its own wake-up is the read
+end sent with the answer, which no other process of another user can open.
 
 The service reads the hello without blocking (a state machine fed by its loop)
 and drops a client whose hello is not complete within ``HELLO_DEADLINE_S``, is
@@ -61,7 +65,7 @@ pins before it reuses a slot, so one of the two sees the other). The worker take
 DIRECT -> READING (the generation must match: a record left by a connection that is
 gone cannot take a buffer of the next one), reads, validates exactly as for the
 supervisor's reads, writes ``wstat`` and ``wseq``, sets the state CLIENT and posts the
-client's semaphore. A client that times out takes back a buffer the worker has not taken
+client's wake-up. A client that times out takes back a buffer the worker has not taken
 yet (the same compare-and-swap, DIRECT -> CLIENT); one being read stays the worker's.
 
 Ownership (the invariant the first version lacked): a descriptor belongs to
@@ -98,7 +102,7 @@ import numpy as np
 from ..ioworkers.aio import FFI, LIB
 from ..shm.ring import Ring
 
-VERSION = 3
+VERSION = 4  # 4: wake-ups are FIFOs, the client's sent as a second descriptor
 MAX_FRAME = 1 << 16
 HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
 LISTEN_BACKLOG = 1024    # connections the kernel queues for accept (capped by net.core.somaxconn)
@@ -338,7 +342,7 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     return decode_frame(_recv_exact(sock, n))
 
 
-def recv_frame_fds(sock: socket.socket, max_fds: int = 1) -> tuple[dict[str, Any], list[int]]:
+def recv_frame_fds(sock: socket.socket, max_fds: int = 2) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame and the file descriptors sent with it (``SCM_RIGHTS``; they arrive with
     its first bytes). The caller owns (and closes) the descriptors."""
     data, fds, _flags, _addr = socket.recv_fds(sock, 4 + MAX_FRAME, max_fds)

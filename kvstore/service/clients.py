@@ -33,7 +33,8 @@ from ..errors import KVStoreError
 from ..ioworkers.aio import LIB
 from ..ipc.iorings import ST_WORKER_LOST
 from ..ipc import lease as A
-from ..shm.segment import Segment, create_semaphore, unlink_semaphore
+from ..shm.segment import Segment
+from ..shm.wake import WakeReader, make_wake, unlink_wake
 from ..shm.stats import StatsBlock
 from ..ipc import connection as P
 from .connections import Conn, Handshakes, PeerCred, give_back
@@ -148,16 +149,25 @@ class Clients:
         # other process of another user can open it (a fresh segment: every buffer FREE)
         states_off, _buffers_off, size = P.ClientChannel.layout(nb, self.n_devices, self.page_size)
         seg = Segment.create(self.prefix + f"c{cid}", size, 0o600)
-        sem_name = self.prefix + f"c{cid}.s"
-        sem = create_semaphore(sem_name, self.mode, self.group)
+        # its wake-up: owner-only, whatever the access group; the client gets the read end with
+        # the answer, the service keeps a write end of its own (no open file description shared)
+        wake_name = self.prefix + f"wake.c{cid}"
+        try:
+            make_wake(wake_name)
+            wake_fd, wake = WakeReader.open_for_client(wake_name)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            unlink_wake(wake_name)
+            raise
         self.generation += 1
         tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
-        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb, self.n_devices), sem, sem_name, start, nb, cred,
+        conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb, self.n_devices), wake, wake_name, start, nb, cred,
                     salt, tenant, tid, generation=self.generation)
         conn.chan.pins[:] = -1
         self.arena.attach(cid, seg.buf, states_off)
         self.conns[cid] = conn
-        # the workers serve its direct reads from now on (the segment and semaphore exist), under
+        # the workers serve its direct reads from now on (the segment and wake-up exist), under
         # what this table says: lease and tenant salt first, the generation last
         for w in self.workers:
             table = w.rings.conns
@@ -165,16 +175,18 @@ class Clients:
             table["salt"][cid] = np.frombuffer(salt, dtype=np.uint8)
             LIB.kv_fence()
             table["gen"][cid] = self.generation
+        fds = [wake_fd]
         try:
-            fd = seg.open_fd()
             try:
+                fds.append(seg.open_fd())
                 socket.send_fds(s, [P.encode_frame({
                     **self.hello, "v": P.VERSION, "ok": True, "client_id": cid, "max_batch": nb, "lease_start": start,
                     "lease_count": nb, "segment": seg.name, "states_offset": states_off,
-                    "buffers_offset": _buffers_off, "sem": sem_name, "salt": salt,
-                    "generation": self.generation, "tenant": tenant})], [fd])
+                    "buffers_offset": _buffers_off, "salt": salt,
+                    "generation": self.generation, "tenant": tenant})], fds[::-1])  # segment, wake-up
             finally:
-                os.close(fd)
+                for fd in fds:
+                    os.close(fd)
         except OSError as e:  # a fresh socket's buffer takes a hello answer; failing here means it is gone
             conn.alive = False
             s.close()
@@ -262,8 +274,8 @@ class Clients:
         self.arena.detach(conn.id)
         conn.seg.close()
         conn.seg.unlink()
-        conn.sem.close()
-        unlink_semaphore(conn.sem_name)
+        conn.wake.close()
+        unlink_wake(conn.wake_name)
 
     def close(self) -> None:
         """Stop accepting (shutdown): the socket and its file go, handshakes in progress are dropped."""
@@ -329,10 +341,7 @@ class Clients:
                     ch.pins[b] = -1
                     ch.set_done(b, int(ch.dseq[b]), ST_WORKER_LOST)
                     self.arena.set_state(i, A.CLIENT)
-                    try:
-                        conn.sem.release()
-                    except Exception:
-                        pass
+                    conn.wake.post()
 
 
 __all__ = ["Clients"]

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import posix_ipc
 
 from ..ipc import lease as A
 from ..shm.segment import Segment
+from ..shm.wake import WakeWriter
 from ..ipc import connection as P
 
 MAX_PENDING_HELLOS = 64
@@ -182,8 +182,9 @@ class Conn:
     sock: socket.socket
     seg: Segment
     chan: P.ClientChannel
-    sem: posix_ipc.Semaphore
-    sem_name: str
+    wake: WakeWriter
+    """The service's write end of the client's wake-up (the client holds the only read end)."""
+    wake_name: str
     lease_start: int
     lease_count: int
     cred: PeerCred
@@ -295,7 +296,7 @@ def answer(conn: Conn, desc: int, seq: int, status: int, value: int = 0,
     h["value"] = value
     h["answered"] = seq
     d.set_state(P.D_ANSWERED)
-    conn.sem.release()
+    conn.wake.post()
 
 
 def give_back(conn: Conn, buf: int, arena: A.BufferStates, state: int) -> None:

@@ -225,7 +225,7 @@ class Requests:
                 w = self.s.workers[d]
                 (w.rings.reads if op == OP_READ else w.rings.writes).put_many(np.array(recs, dtype=IO_REQUEST))
                 recs.clear()
-                w.wake.release()
+                w.wake.post()
 
     def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
         gids = self.s.index.lookup(words, self.s.local)

@@ -18,8 +18,9 @@ Shared memory (names from ``shm.segment.name_prefix``):
     <p>w<d>      rings of worker d
     <p>c<id>     one per client connection (request ring, descriptors, counters, direct-read
                  rings, pins; ipc/connection.py)
-    sem.<p>bell  doorbell: every producer toward the supervisor posts it
-    sem.<p>w<d>  wake-up of worker d;  sem.<p>c<id>.s  wake-up of client id
+    <p>wake.bell   doorbell (a FIFO, shm/wake.py): every producer toward the supervisor posts it
+    <p>wake.w<d>   wake-up of worker d;  <p>wake.c<id>  wake-up of client id (its read end
+                   goes to the client with the hello)
 
 The loop drains worker completions, then client requests (one per connection
 per turn), then waits on the doorbell (20 ms at most); every 20 ms it also
@@ -43,7 +44,6 @@ from typing import Any
 
 import multiprocess
 import numpy as np
-import posix_ipc
 import structlog
 import zmq
 
@@ -57,8 +57,8 @@ from ..ipc import lease as A
 from ..shm.board import BOARD_BYTES, Board
 from ..shm.control import ControlLayout
 from ..shm.index import KeyIndex
-from ..shm.segment import (Segment, create_semaphore, name_prefix, remove_leftovers,
-                           unlink_semaphore, wait_semaphore)
+from ..shm.segment import Segment, name_prefix, remove_leftovers
+from ..shm.wake import WakeReader, unlink_wake
 from ..shm.slots import EMPTY, VALID, SlotMap, entry_words
 from ..shm.stats import StatsBlock, stats_nbytes
 from ..storage.membership import Membership, read_membership
@@ -93,7 +93,8 @@ class Supervisor:
         self.sock_path = self.rundir / f"{server}.sock"
         self.stop = False
         self._segments: list[Segment] = []
-        self._sems: list[str] = []
+        self._wakes: list[str] = []
+        self.doorbell: WakeReader | None = None
         self._lock_fd: int | None = None
         self.workers: list[WorkerSlot] = []  # the Workers' slots, once started
         self.pool: Workers | None = None
@@ -187,9 +188,11 @@ class Supervisor:
         self._segments.append(seg)
         return seg
 
-    def _sem(self, what: str) -> posix_ipc.Semaphore:
-        self._sems.append(self.prefix + what)
-        return create_semaphore(self.prefix + what, self.mode, self.group)
+    def _wake(self, what: str) -> WakeReader:
+        """A consumer's wake-up ``wake.<what>`` (shm/wake.py): group members may post, never wait."""
+        self._wakes.append(self.prefix + "wake." + what)
+        return WakeReader.create(self.prefix + "wake." + what, 0o620 if self.group is not None else 0o600,
+                                 self.group)
 
     def start(self) -> None:
         """Lock, clean a crashed predecessor's leftovers, verify devices, build shm, rebuild, spawn."""
@@ -223,7 +226,7 @@ class Supervisor:
             self.stats = StatsBlock(st.buf, len(cfg.devices), init=True)
             self.board = Board(self._segment("board", BOARD_BYTES, self.read_mode).buf)
             self.stats.set("started_ns", time.time_ns())
-            self.doorbell = self._sem("bell")
+            self.doorbell = self._wake("bell")
             # rebuild from headers, then index: other areas first so our own copy wins a duplicate
             max_gen = self._load_slot_table()
             for i, sv in enumerate(cfg.servers):
@@ -243,8 +246,8 @@ class Supervisor:
             for d, path in enumerate(cfg.devices):
                 # the worker's rings and connection table: the service's and the worker's alone
                 seg = self._segment(f"w{d}", WorkerRings.nbytes(cfg.service.max_clients), 0o600)
-                wake_name = self.prefix + f"w{d}"
-                wake = self._sem(f"w{d}")
+                wake_name = self.prefix + f"wake.w{d}"
+                wake = self._wake(f"w{d}")  # drained by the worker; this end keeps it open and posts
                 rings = WorkerRings(seg.buf, cfg.service.max_clients)
                 rings.pins[:] = -1  # no direct read pins anything yet
                 self.workers.append(WorkerSlot(d, path, seg, rings, wake, wake_name))
@@ -281,7 +284,7 @@ class Supervisor:
                 workers=self.workers, n_devices=len(self.workers), lease_buffers=cfg.service.client_buffers,
                 page_size=cfg.page_size, hello={
                     "page_size": cfg.page_size, "control": self.prefix + "control",
-                    "doorbell": self.prefix + "bell", "service_pid": os.getpid(), "store": cfg.name,
+                    "doorbell": self.prefix + "wake.bell", "service_pid": os.getpid(), "store": cfg.name,
                     "server": self.server, "stats": self.prefix + "stats", "slots": self.smap.total,
                     "max_clients": cfg.service.max_clients, "workers": [w.wake_name for w in self.workers],
                     "areas": [[a.slot_count for a in sb.areas] for sb in self.sbs]})
@@ -396,10 +399,11 @@ class Supervisor:
             device_path=w.path, device_index=w.device, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size,
             control_name=self.prefix + "control", lease_buffers=cfg.service.client_buffers,
             worker_segment=self.prefix + f"w{w.device}",
-            stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=w.wake_name,
+            stats_name=self.prefix + "stats", doorbell=self.prefix + "wake.bell", wakeup=w.wake_name,
             read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes,
             store=cfg.name, server=self.server,
-            max_clients=cfg.service.max_clients, conn_prefix=self.prefix + "c", n_devices=len(self.workers),
+            max_clients=cfg.service.max_clients, conn_prefix=self.prefix + "c",
+            wake_prefix=self.prefix + "wake.c", n_devices=len(self.workers),
             slot_size=self.sbs[w.device].slot_size,
             area_offsets=tuple(a.offset for a in self.sbs[w.device].areas),
             area_slots=tuple(a.slot_count for a in self.sbs[w.device].areas),
@@ -520,7 +524,8 @@ class Supervisor:
                         self._maybe_checkpoint(now)
                     self._gauges(full)
                 if n == 0:
-                    wait_semaphore(self.doorbell, TICK_S)
+                    assert self.doorbell is not None
+                    self.doorbell.wait(TICK_S)
         finally:
             self.shutdown()
 
@@ -537,7 +542,7 @@ class Supervisor:
         signal.signal(signal.SIGHUP, _hup)
 
     def shutdown(self) -> None:
-        """Stop workers, disconnect clients, remove every segment, semaphore, socket and pid file."""
+        """Stop workers, disconnect clients, remove every segment, wake-up, socket and pid file."""
         self.stop = True
         if self.watcher is not None:
             self.watcher.stop()
@@ -573,9 +578,12 @@ class Supervisor:
             seg.close()
             seg.unlink()
         self._segments = []
-        for n in self._sems:
-            unlink_semaphore(n)
-        self._sems = []
+        if self.doorbell is not None:
+            self.doorbell.close()
+            self.doorbell = None
+        for n in self._wakes:
+            unlink_wake(n)
+        self._wakes = []
         try:
             (self.rundir / f"{self.server}.pid").unlink()
         except FileNotFoundError:

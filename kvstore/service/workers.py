@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import posix_ipc
 
 from ..config import StoreConfig
 from ..ipc.iorings import WorkerRings
 from ..ioworkers.worker import WorkerParams, worker_main
 from ..ipc import lease as A
 from ..shm.segment import Segment
+from ..shm.wake import WakeReader
 from ..shm.stats import D, StatsBlock
 from .connections import Conn, give_back
 
@@ -35,7 +35,8 @@ class WorkerSlot:
     path: str
     seg: Segment
     rings: WorkerRings
-    wake: posix_ipc.Semaphore
+    wake: WakeReader
+    """The worker's wake-up: the worker drains it; this end keeps the FIFO open and posts."""
     wake_name: str
     proc: Any = None
     restarts: int = 0
@@ -160,7 +161,7 @@ class Workers:
                 proc.join(5.0)
 
     def close(self) -> None:
-        """Close the wake-up semaphores (after ``stop_all``)."""
+        """Close the workers' wake-ups (after ``stop_all``)."""
         for w in self.slots:
             w.wake.close()
         self.slots.clear()

@@ -17,8 +17,8 @@ records, and store-releases ``head`` only after it copied the record out, so
 the producer never overwrites a record still being read. Plain Python stores
 would be enough on x86_64 but not on aarch64, hence the C atomics.
 
-Wake-ups are not the ring's business: producers post a semaphore the consumer
-waits on (with a timeout), see the callers.
+Wake-ups are not the ring's business: producers post the consumer's wake-up FIFO
+(``shm/wake.py``), which it waits on with a timeout.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""POSIX shared-memory segments and semaphores, named per MASS_HOME, store and server.
+"""POSIX shared-memory segments, named per MASS_HOME, store and server.
 
 Names look like ``/kvs.<home8>.<store>.<server>.<what>``: ``home8`` is a hash
 of the MASS_HOME path, so two MASS_HOMEs (two test runs, two users) never
-collide. Segments and semaphores are created owner-only (mode 0600). On Linux
-both live under /dev/shm (semaphores as ``sem.<name>``), which is how a
-starting service finds and removes what a crashed one left behind.
+collide. Segments are created owner-only (mode 0600) unless told otherwise. On
+Linux they live under /dev/shm beside the wake-up FIFOs (``wake.py``), which is
+how a starting service finds and removes what a crashed one left behind.
 """
 
 from __future__ import annotations
@@ -105,36 +105,9 @@ def unlink_segment(name: str) -> None:
         pass
 
 
-def create_semaphore(name: str, mode: int = 0o600, group: int | None = None) -> posix_ipc.Semaphore:
-    """Create a semaphore (owner-only unless told otherwise) with value 0, removing a stale one."""
-    try:
-        posix_ipc.unlink_semaphore("/" + name)
-    except posix_ipc.ExistentialError:
-        pass
-    sem = posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=mode, initial_value=0)
-    path = SHM_DIR / ("sem." + name)
-    if path.exists():  # Linux keeps named semaphores there: set the exact mode and group
-        os.chmod(path, mode)
-        if group is not None:
-            os.chown(path, -1, group)
-    return sem
-
-
-def attach_semaphore(name: str) -> posix_ipc.Semaphore:
-    """Open an existing semaphore."""
-    return posix_ipc.Semaphore("/" + name)
-
-
-def unlink_semaphore(name: str) -> None:
-    """Unlink semaphore ``name`` if it exists."""
-    try:
-        posix_ipc.unlink_semaphore("/" + name)
-    except posix_ipc.ExistentialError:
-        pass
-
-
 def leftovers(prefix: str) -> list[str]:
-    """Names of segments and semaphores under /dev/shm that start with ``prefix``."""
+    """Names under /dev/shm that start with ``prefix``: segments and wake-up FIFOs (and the
+    ``sem.`` semaphores of versions before 4 of the hello, which a crash may have left)."""
     if not SHM_DIR.is_dir():
         return []
     out = []
@@ -146,23 +119,14 @@ def leftovers(prefix: str) -> list[str]:
 
 
 def remove_leftovers(prefix: str) -> list[str]:
-    """Unlink every segment and semaphore starting with ``prefix``; return what was removed."""
+    """Unlink everything ``leftovers`` names; return what was removed."""
     gone = leftovers(prefix)
     for n in gone:
-        if n.startswith("sem."):
-            unlink_semaphore(n[4:])
-        else:
-            unlink_segment(n)
+        try:
+            (SHM_DIR / n).unlink()
+        except FileNotFoundError:
+            pass
     return gone
-
-
-def wait_semaphore(sem: posix_ipc.Semaphore, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for ``sem``; True if it was acquired."""
-    try:
-        sem.acquire(max(0.0, timeout_s))
-        return True
-    except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal: let the caller look at its flags
-        return False
 
 
 def pid_alive(pid: int) -> bool:

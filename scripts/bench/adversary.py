@@ -7,7 +7,8 @@ One service on a plain file device, ``service.access_group = "nogroup"``, tenant
 user) and beta (``nobody``). Alpha saves 64 pages, then, for each attack, a healthy alpha
 client reads those 64 pages in batches of 8 for ``--seconds`` while ``tests/integration/
 adversary.py`` (stdlib only: it speaks the hello and maps and writes the shared memory itself)
-attacks as beta, run as ``nobody``; one baseline round has no attacker. Reports, per attack,
+attacks as beta, run as ``nobody``; one baseline round has no attacker. (``KVS_HELLO_V=3`` in
+the environment lets the attacker speak to a service of the previous version.) Reports, per attack,
 what the attacker got and the healthy client's gets: count, wrong or missing pages, p50/p99
 latency. A flood round holds 300 silent connections and times 20 healthy connects. Needs root
 (to run the attacker as another user) and a system python3.
@@ -114,7 +115,7 @@ def main() -> None:
         with KVCacheClient.connect("adv", home=home, tenant="alpha") as c:
             for i in range(0, 64, 32):
                 c.put(keys[i:i + 32], [page_bytes(k, PS) for k in keys[i:i + 32]], wait=True)
-        for attack in ("none", "steal", "lie", "tails", "hold"):
+        for attack in ("none", "steal", "lie", "tails", "hold", "wakes"):
             stop = threading.Event()
             seen: dict[str, Any] = {}
             t = threading.Thread(target=healthy_reads, args=(home, keys, stop, seen))

@@ -44,9 +44,10 @@ from kvstore.crdt.log import K_DELTA, DeltaLog, SyncRings, to_registers, to_sync
 from kvstore.crdt.merge import apply, gids_of  # noqa: E402
 from kvstore.crdt.register import REGISTER_DTYPE  # noqa: E402
 from kvstore.shm.index import ENTRY_DTYPE, KeyIndex, index_capacity  # noqa: E402
-from kvstore.shm.segment import Segment, create_semaphore, unlink_semaphore  # noqa: E402
+from kvstore.shm.segment import Segment  # noqa: E402
 from kvstore.shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap  # noqa: E402
 from kvstore.shm.stats import StatsBlock, stats_nbytes  # noqa: E402
+from kvstore.shm.wake import WakeReader, unlink_wake  # noqa: E402
 from kvstore.testing import free_port_pair  # noqa: E402
 
 PAGE = 1 << 20
@@ -138,6 +139,7 @@ def bench_visibility(servers: int, rate: float, seconds: float) -> dict[str, Any
     ports = [free_port_pair() for _ in range(servers)]
     tag = f"kvs.bench{os.getpid()}."
     segs, sems, procs = [], [], []
+    bells: list[WakeReader] = []  # the supervisor's end of each doorbell (its agent posts it)
     rings, stat_blocks = [], []
     ctx = multiprocess.get_context("spawn")
     try:
@@ -145,8 +147,8 @@ def bench_visibility(servers: int, rate: float, seconds: float) -> dict[str, Any
             seg = Segment.create(f"{tag}{i}.sync", SyncRings.nbytes())
             st = Segment.create(f"{tag}{i}.stats", stats_nbytes(1))
             stat_blocks.append(StatsBlock(st.buf, 1, init=True))
-            sems.append(f"{tag}{i}.bell")
-            create_semaphore(sems[-1]).close()
+            sems.append(f"{tag}{i}.wake.bell")
+            bells.append(WakeReader.create(sems[-1]))
             segs += [seg, st]
             rings.append(SyncRings(seg.buf))
         for i in range(servers):
@@ -219,8 +221,10 @@ def bench_visibility(servers: int, rate: float, seconds: float) -> dict[str, Any
         for s in segs:
             s.close()
             s.unlink()
+        for b in bells:
+            b.close()
         for n in sems:
-            unlink_semaphore(n)
+            unlink_wake(n)
 
 
 def main() -> int:

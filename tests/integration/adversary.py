@@ -11,12 +11,16 @@ that runs.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
+import select
 import socket
+import stat
 import struct
 import sys
+import threading
 import time
 
 SHM = "/dev/shm/"
@@ -96,7 +100,8 @@ def hello(path: str, tenant: str) -> tuple[socket.socket, dict, list[int]]:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(10)
     s.connect(path)
-    body = pack({"v": 3, "op": "hello", "tenant": tenant})
+    # KVS_HELLO_V=3 speaks to a service of the previous version (to show what it let through)
+    body = pack({"v": int(os.environ.get("KVS_HELLO_V", "4")), "op": "hello", "tenant": tenant})
     s.sendall(struct.pack("<I", len(body)) + body)
     head, fds, _flags, _addr = socket.recv_fds(s, 1 << 17, 4)  # the segment comes as a descriptor
     while len(head) < 4:
@@ -230,6 +235,79 @@ def results(m: mmap.mmap, lay: Conn, bufs: list[int], seqs: list[int], wait_s: f
     return out
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def steal_wakes(prefix: str, own_sem: str, seconds: float) -> dict:
+    """Wait, for ``seconds``, on each wake-up under /dev/shm named for this service that opens
+    for waiting; count what was taken."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sem_open.restype = ctypes.c_void_p
+    libc.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    names = sorted(n for n in os.listdir(SHM) if n.startswith(prefix) or n.startswith("sem." + prefix))
+    seen, waitable, refused = [], [], {}
+    stolen = [0]
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+    threads = []
+
+    def on_sem(sem: int) -> None:
+        while time.monotonic() < end:
+            t = time.clock_gettime(time.CLOCK_REALTIME) + 0.01
+            ts = _Timespec(int(t), int((t % 1) * 1e9))
+            if libc.sem_timedwait(sem, ctypes.byref(ts)) == 0:
+                with lock:
+                    stolen[0] += 1
+
+    def on_fifo(fd: int) -> None:
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        while time.monotonic() < end:
+            if p.poll(10):
+                try:
+                    got = len(os.read(fd, 65536))
+                except BlockingIOError:
+                    continue
+                with lock:
+                    stolen[0] += got
+        os.close(fd)
+
+    for n in names:
+        try:
+            st = os.stat(SHM + n)
+        except FileNotFoundError:
+            continue
+        if n.startswith("sem."):
+            if n == "sem." + own_sem:
+                continue
+            seen.append(n)
+            sem = libc.sem_open(("/" + n[4:]).encode(), 0)
+            if not sem:
+                refused[n] = os.strerror(ctypes.get_errno())
+                continue
+            waitable.append(n)
+            threads.append(threading.Thread(target=on_sem, args=(sem,), daemon=True))
+        elif stat.S_ISFIFO(st.st_mode):
+            seen.append(n)
+            for flags in (os.O_RDONLY, os.O_RDWR):
+                try:
+                    fd = os.open(SHM + n, flags | os.O_NONBLOCK)
+                except OSError as e:
+                    refused[n] = e.strerror or str(e)
+                    continue
+                waitable.append(n)
+                threads.append(threading.Thread(target=on_fifo, args=(fd,), daemon=True))
+                break
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 5)
+    time.sleep(max(0.0, end - time.monotonic()))  # the attack lasts its time, stolen or not
+    return {"wakes_seen": seen, "wakes_waitable": waitable, "wakes_refused": refused, "stolen": stolen[0]}
+
+
 def main() -> None:
     path, tenant, attack = sys.argv[1], sys.argv[2], sys.argv[3]
     seconds = float(sys.argv[4]) if len(sys.argv) > 4 else 3.0
@@ -242,9 +320,10 @@ def main() -> None:
     nslots = h["slots"]
     mb, gen = h["max_batch"], h["generation"]
     lay = Conn(mb, len(areas))
-    assert len(fds) == 1, fds
+    assert len(fds) in (1, 2), fds  # the segment, and (version 4) this client's own wake-up
     seg = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
-    os.close(fds[0])
+    for fd in fds:
+        os.close(fd)
     ctl_rw, ctl_why = open_map(h["control"], True)
     rep["control_writable"] = ctl_rw is not None
     ctl, _ = open_map(h["control"], False)
@@ -311,6 +390,12 @@ def main() -> None:
         for b in range(mb):
             struct.pack_into("<q", seg, lay.pins + 8 * b, b % max(1, nslots))
         rep["disconnected"] = closed_by_service(s, seconds)
+    elif attack == "wakes":
+        # wait on every wake-up of this service we can open for waiting, and so take the wake-ups
+        # meant for the supervisor, the I/O workers and the other clients: a version-3 service's
+        # named semaphores (group read-write), or the read end of a FIFO
+        rep.update(steal_wakes(prefix, h.get("sem", ""), seconds))
+        rep["disconnected"] = closed_by_service(s, 0.1)
     elif attack == "idle":
         rep["disconnected"] = closed_by_service(s, seconds)
     else:

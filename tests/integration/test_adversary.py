@@ -26,7 +26,8 @@ from kvstore import KVCacheClient
 from kvstore.config import ServiceConfig, load_store, run_dir, save_store
 from kvstore.ipc.iorings import IO_REQUEST, OP_WRITE, WorkerRings
 from kvstore.quickstart import page_bytes
-from kvstore.shm.segment import Segment, attach_semaphore
+from kvstore.shm.segment import Segment
+from kvstore.shm.wake import WakeWriter
 from kvstore.storage.membership import read_membership
 from kvstore.testing import make_store, wait_for
 
@@ -196,6 +197,41 @@ def test_impossible_ring_tails_stop_no_write(home: Path, file_devices: Any, serv
     assert _stats(home, "t").clients_refused >= 1
 
 
+def test_no_wake_up_can_be_taken(home: Path, file_devices: Any, services: Any) -> None:
+    """Beta (nobody, in the access group) tries to wait on every wake-up of the service: the
+    supervisor's doorbell, the I/O worker's, alpha's own. Version 3 used named semaphores, group
+    read-write: a waiter took the wake-ups meant for the service and for alpha (whose gets then
+    waited out timeouts). Now they are FIFOs whose read end the group cannot open: beta opens
+    none for waiting, takes nothing, and alpha's gets and puts go on meanwhile, all correct."""
+    sc = Scene(home, file_devices, services, same_uid=False)
+    with sc.alpha() as a:
+        keys = [b"alpha/%d" % i for i in range(32)]
+        _save(a, keys)
+        adv = sc.attack_in_background("wakes", 6.0)
+        try:
+            assert wait_for(lambda: _stats(home, "t").clients_connected >= 2 or adv.poll() is not None, 20)
+            rounds = 0
+            while adv.poll() is None:
+                assert _all_good(a, keys)
+                if rounds < 30:  # new pages, 152 in all: the store (200 slots) evicts none
+                    more = [b"alpha/more/%d/%d" % (rounds, i) for i in range(4)]
+                    _save(a, more)
+                    assert _all_good(a, more)
+                rounds += 1
+            out, err = adv.communicate(timeout=60)
+        finally:
+            if adv.poll() is None:
+                adv.kill()
+            sc.restore()
+    got = json.loads(out)
+    assert got["ok"], (got, err)
+    wakes = {n[len(sc.svc.prefix):] for n in got["wakes_seen"]}
+    assert {"wake.bell", "wake.w0"} <= wakes and any(w.startswith("wake.c") for w in wakes), got
+    assert got["wakes_waitable"] == [] and got["stolen"] == 0, got
+    assert set(got["wakes_refused"]) == set(got["wakes_seen"]), got
+    assert rounds >= 1
+
+
 def test_pin_words_hold_no_one_elses_slot(home: Path, file_devices: Any, services: Any) -> None:
     """Beta writes every slot id into its pin words and stays connected while alpha's writes
     wrap around the area: the service asks only the workers' own pins, so every one of alpha's
@@ -276,7 +312,9 @@ def test_forged_writes_reach_no_device(home: Path, file_devices: Any, services: 
     forged["offset"] = [0, 8192, own.offset + 7]  # both superblock copies; not a slot's offset
     before_errors = _snapshot(home, 't').devices[0].write_errors
     rings.writes.put_many(forged)
-    attach_semaphore(sc.svc.prefix + "w0").release()
+    w = WakeWriter.open(sc.svc.prefix + "wake.w0")
+    w.post()
+    w.close()
     assert wait_for(lambda: _snapshot(home, 't').devices[0].write_errors >= before_errors + 3, 20)
     del rings
     seg.close()

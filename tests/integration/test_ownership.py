@@ -179,7 +179,7 @@ def test_lying_client_is_refused_and_changes_nobody_elses_pages(file_devices, ho
             d.set_cancel(0)
             d.set_state(P.D_POSTED)
             ch.requests.put_nowait((seq[0], d.index, 0))
-            evil._doorbell.release()
+            evil._doorbell.post()
             return seq[0]
 
         def answer_of(d: P.Descriptor) -> int:
@@ -217,7 +217,7 @@ def test_lying_client_is_refused_and_changes_nobody_elses_pages(file_devices, ho
         before = stats(svc).service.requests_rejected
         ch.requests.put_nowait((999, 3, 0))
         ch.requests.put_nowait((1000, P.NDESC + 5, 0))
-        evil._doorbell.release()
+        evil._doorbell.post()
         assert wait_for(lambda: stats(svc).service.requests_rejected >= before + 2)
         # nobody else's pages changed, and the good client is served as before
         with good.get(good_keys) as got:

@@ -79,7 +79,7 @@ def test_other_local_users_cannot_connect(home: Path, file_devices: Any, service
     svc = services(home, "t")
     sock = run_dir("t", home) / "local.sock"
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
-    for seg in svc.leftovers():  # every live segment and semaphore is owner-only
+    for seg in svc.leftovers():  # every live segment and wake-up FIFO is owner-only
         assert stat.S_IMODE(os.stat(Path("/dev/shm") / seg).st_mode) == 0o600
     # open every directory on the way (only for this test), so that the socket's own mode decides
     opened = [d for d in [sock.parent, *sock.parent.parents] if d != Path("/")]
@@ -135,20 +135,21 @@ def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, se
     sock = run_dir("t", home) / "local.sock"
     st = os.stat(sock)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid
-    # what clients only read: group read; semaphores clients post: group read-write; the
-    # service's own rings and every connection's segment (passed to its client as a file
-    # descriptor): nobody else's
+    # what clients only read: group read; the wake-ups clients post (FIFOs): group write, never
+    # read (a reader would take the service's wake-ups); the service's own rings and every
+    # connection's segment (passed to its client as a file descriptor): nobody else's
     want = {"control": 0o640, "stats": 0o640, "board": 0o640, "peers": 0o640, "w0": 0o600,
-            "sync": 0o600, "sem.bell": 0o660, "sem.w0": 0o660}
+            "sync": 0o600, "wake.bell": 0o620, "wake.w0": 0o620}
     seen = set()
     for seg in svc.leftovers():
         s2 = os.stat(Path("/dev/shm") / seg)
-        what = ("sem." if seg.startswith("sem.") else "") + seg[len(svc.prefix) + (4 if seg.startswith("sem.") else 0):]
+        what = seg[len(svc.prefix):]
         seen.add(what)
         mode = want[what]
         assert stat.S_IMODE(s2.st_mode) == mode, (seg, oct(s2.st_mode))
+        assert stat.S_ISFIFO(s2.st_mode) == what.startswith("wake."), seg
         assert (s2.st_gid == gid) == bool(mode & 0o070), seg
-    assert {"control", "w0", "stats"} <= seen, seen
+    assert {"control", "w0", "stats", "wake.bell", "wake.w0"} <= seen, seen
     r = run_as_other_user(home, gid, "import socket; s = socket.socket(socket.AF_UNIX); "
                                      f"s.connect({str(sock)!r}); print('connected')")
     assert r.returncode == 0 and "connected" in r.stdout, r.stderr
@@ -181,7 +182,7 @@ def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, servi
                                    tenants={"alpha": ["uid:0"]}), home)
     services(home, "t")
     sock = run_dir("t", home) / "local.sock"
-    hello = msgpack.packb({"v": 3, "op": "hello", "tenant": "alpha"})
+    hello = msgpack.packb({"v": 4, "op": "hello", "tenant": "alpha"})
     frame = len(hello).to_bytes(4, "little") + hello
     code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(5); "
             f"s.connect({str(sock)!r}); s.sendall(bytes.fromhex({frame.hex()!r})); "

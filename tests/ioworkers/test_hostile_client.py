@@ -31,7 +31,8 @@ from kvstore.ioworkers.worker import Worker, WorkerParams
 from kvstore.ipc import connection as P
 from kvstore.ipc import lease as A
 from kvstore.shm.control import ControlLayout
-from kvstore.shm.segment import Segment, create_semaphore, unlink_semaphore
+from kvstore.shm.segment import Segment
+from kvstore.shm.wake import WakeReader, unlink_wake
 from kvstore.shm.slots import VALID, SlotMap
 from kvstore.shm.stats import StatsBlock, stats_nbytes
 from kvstore.storage.header import SlotHeader, payload_checksum
@@ -63,16 +64,15 @@ class HostileClient(RuleBasedStateMachine):
         self.smap = SlotMap([[SLOTS, SLOTS]])
         self.lay = ControlLayout.of(self.smap.total)
         self.segs: list[Segment] = []
-        self.sems: list[str] = []
+        self.wakes: list[tuple[str, WakeReader]] = []
 
         def seg(what: str, size: int) -> Segment:
             s = Segment.create(self.prefix + what, size)
             self.segs.append(s)
             return s
 
-        def sem(what: str) -> None:
-            create_semaphore(self.prefix + what).close()
-            self.sems.append(self.prefix + what)
+        def wake(what: str) -> None:  # its consumer's end stays open, as the service's does
+            self.wakes.append((self.prefix + what, WakeReader.create(self.prefix + what)))
 
         self.ctl = seg("control", self.lay.nbytes)
         self.slots = self.lay.slot_table(self.ctl.buf)
@@ -80,8 +80,8 @@ class HostileClient(RuleBasedStateMachine):
         self.rings = WorkerRings(self.wseg.buf, 2)
         stats = seg("stats", stats_nbytes(1))
         StatsBlock(stats.buf, 1, init=True)
-        sem("bell")
-        sem("w0")
+        wake("wake.bell")
+        wake("wake.w0")
         # the device: alpha's pages in slots 0..3 of area 1 (another server's), beta's in 4..5
         area_off = (1 << 20, (1 << 20) + SLOTS * BSIZE)
         self.uuid = uuid.uuid4().bytes
@@ -112,7 +112,7 @@ class HostileClient(RuleBasedStateMachine):
         states_off, buffers_off, size = P.ClientChannel.layout(MB, 1, PS)
         for cid, salt in ((0, SALT_A), (1, SALT_B)):
             c = seg(f"c{cid}", size)
-            sem(f"c{cid}.s")
+            wake(f"wake.c{cid}")
             ch = P.ClientChannel(c.buf, MB, 1)
             ch.pins[:] = -1
             self.chans.append(ch)
@@ -126,8 +126,9 @@ class HostileClient(RuleBasedStateMachine):
         p = WorkerParams(
             device_path=str(self.dev), device_index=0, store_uuid=self.uuid, page_size=PS,
             control_name=self.prefix + "control", lease_buffers=MB, worker_segment=self.prefix + "w0",
-            stats_name=self.prefix + "stats", doorbell=self.prefix + "bell", wakeup=self.prefix + "w0",
+            stats_name=self.prefix + "stats", doorbell=self.prefix + "wake.bell", wakeup=self.prefix + "wake.w0",
             read_depth=8, max_inflight_writes=2, direct=False, max_clients=2, conn_prefix=self.prefix + "c",
+            wake_prefix=self.prefix + "wake.c",
             n_devices=1, slot_size=BSIZE, area_offsets=area_off, area_slots=(SLOTS, SLOTS), own_area=0,
             area_gids=tuple(self.smap.bases[0]), ref_offset=self.lay.ref_offset)
         self.w = Worker(p)
@@ -149,8 +150,9 @@ class HostileClient(RuleBasedStateMachine):
             for s in getattr(self, "segs", []):
                 s.close()
                 s.unlink()
-            for n in getattr(self, "sems", []):
-                unlink_semaphore(n)
+            for n, r in getattr(self, "wakes", []):
+                r.close()
+                unlink_wake(n)
             if hasattr(self, "dev"):
                 self.dev.unlink(missing_ok=True)
 
