@@ -21,6 +21,7 @@ from ..crdt.keys import keypair_for, load_keypair
 from ..errors import NotAllowed
 from ..shm.slots import SlotMap
 from ..shm.stats import StatsBlock
+from ..shm.wake import doorbell_name
 from .sync import SyncLink
 
 STOP_GRACE_S = 5.0  # a replaced agent that ignores SIGTERM this long is killed
@@ -73,7 +74,7 @@ class AgentProcess:
             store=cfg.name, server=self.server, area=self.area, epoch=self.epoch, pub=me.endpoints[0],
             router=me.endpoints[1], public_key=public, secret_key=secret, peers=peers,
             counts=tuple(tuple(c) for c in self.smap.counts), page_size=cfg.page_size,
-            sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=self.prefix + "bell",
+            sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=doorbell_name(self.prefix),
             flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
             heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s,
             snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.prefix + "peers")

@@ -34,7 +34,7 @@ from ..ioworkers.aio import LIB
 from ..ipc.iorings import ST_WORKER_LOST
 from ..ipc import lease as A
 from ..shm.segment import Segment
-from ..shm.wake import WakeReader, make_wake, unlink_wake
+from ..shm.wake import WakeReader, client_wake_prefix, make_wake, unlink_wake
 from ..shm.stats import StatsBlock
 from ..ipc import connection as P
 from .connections import Conn, Handshakes, PeerCred, give_back
@@ -151,7 +151,7 @@ class Clients:
         seg = Segment.create(self.prefix + f"c{cid}", size, 0o600)
         # its wake-up: owner-only, whatever the access group; the client gets the read end with
         # the answer, the service keeps a write end of its own (no open file description shared)
-        wake_name = self.prefix + f"wake.c{cid}"
+        wake_name = client_wake_prefix(self.prefix) + str(cid)
         try:
             make_wake(wake_name)
             wake_fd, wake = WakeReader.open_for_client(wake_name)

@@ -58,7 +58,7 @@ from ..shm.board import BOARD_BYTES, Board
 from ..shm.control import ControlLayout
 from ..shm.index import KeyIndex
 from ..shm.segment import Segment, name_prefix, remove_leftovers
-from ..shm.wake import WakeReader, unlink_wake
+from ..shm.wake import WakeReader, client_wake_prefix, doorbell_name, unlink_wake, worker_wake_name
 from ..shm.slots import EMPTY, VALID, SlotMap, entry_words
 from ..shm.stats import StatsBlock, stats_nbytes
 from ..storage.membership import Membership, read_membership
@@ -188,11 +188,10 @@ class Supervisor:
         self._segments.append(seg)
         return seg
 
-    def _wake(self, what: str) -> WakeReader:
-        """A consumer's wake-up ``wake.<what>`` (shm/wake.py): group members may post, never wait."""
-        self._wakes.append(self.prefix + "wake." + what)
-        return WakeReader.create(self.prefix + "wake." + what, 0o620 if self.group is not None else 0o600,
-                                 self.group)
+    def _wake(self, name: str) -> WakeReader:
+        """A consumer's wake-up (shm/wake.py): group members may post, never wait."""
+        self._wakes.append(name)
+        return WakeReader.create(name, 0o620 if self.group is not None else 0o600, self.group)
 
     def start(self) -> None:
         """Lock, clean a crashed predecessor's leftovers, verify devices, build shm, rebuild, spawn."""
@@ -226,7 +225,7 @@ class Supervisor:
             self.stats = StatsBlock(st.buf, len(cfg.devices), init=True)
             self.board = Board(self._segment("board", BOARD_BYTES, self.read_mode).buf)
             self.stats.set("started_ns", time.time_ns())
-            self.doorbell = self._wake("bell")
+            self.doorbell = self._wake(doorbell_name(self.prefix))
             # rebuild from headers, then index: other areas first so our own copy wins a duplicate
             max_gen = self._load_slot_table()
             for i, sv in enumerate(cfg.servers):
@@ -246,8 +245,8 @@ class Supervisor:
             for d, path in enumerate(cfg.devices):
                 # the worker's rings and connection table: the service's and the worker's alone
                 seg = self._segment(f"w{d}", WorkerRings.nbytes(cfg.service.max_clients), 0o600)
-                wake_name = self.prefix + f"wake.w{d}"
-                wake = self._wake(f"w{d}")  # drained by the worker; this end keeps it open and posts
+                wake_name = worker_wake_name(self.prefix, d)
+                wake = self._wake(wake_name)  # drained by the worker; this end keeps it open and posts
                 rings = WorkerRings(seg.buf, cfg.service.max_clients)
                 rings.pins[:] = -1  # no direct read pins anything yet
                 self.workers.append(WorkerSlot(d, path, seg, rings, wake, wake_name))
@@ -284,7 +283,7 @@ class Supervisor:
                 workers=self.workers, n_devices=len(self.workers), lease_buffers=cfg.service.client_buffers,
                 page_size=cfg.page_size, hello={
                     "page_size": cfg.page_size, "control": self.prefix + "control",
-                    "doorbell": self.prefix + "wake.bell", "service_pid": os.getpid(), "store": cfg.name,
+                    "doorbell": doorbell_name(self.prefix), "service_pid": os.getpid(), "store": cfg.name,
                     "server": self.server, "stats": self.prefix + "stats", "slots": self.smap.total,
                     "max_clients": cfg.service.max_clients, "workers": [w.wake_name for w in self.workers],
                     "areas": [[a.slot_count for a in sb.areas] for sb in self.sbs]})
@@ -399,11 +398,11 @@ class Supervisor:
             device_path=w.path, device_index=w.device, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size,
             control_name=self.prefix + "control", lease_buffers=cfg.service.client_buffers,
             worker_segment=self.prefix + f"w{w.device}",
-            stats_name=self.prefix + "stats", doorbell=self.prefix + "wake.bell", wakeup=w.wake_name,
+            stats_name=self.prefix + "stats", doorbell=doorbell_name(self.prefix), wakeup=w.wake_name,
             read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes,
             store=cfg.name, server=self.server,
             max_clients=cfg.service.max_clients, conn_prefix=self.prefix + "c",
-            wake_prefix=self.prefix + "wake.c", n_devices=len(self.workers),
+            wake_prefix=client_wake_prefix(self.prefix), n_devices=len(self.workers),
             slot_size=self.sbs[w.device].slot_size,
             area_offsets=tuple(a.offset for a in self.sbs[w.device].areas),
             area_slots=tuple(a.slot_count for a in self.sbs[w.device].areas),

@@ -35,6 +35,21 @@ from .segment import SHM_DIR
 _DRAIN = 65536  # a pipe's default capacity: one read empties it
 
 
+def doorbell_name(prefix: str) -> str:
+    """The supervisor's wake-up, of the service whose shm names start with ``prefix``."""
+    return prefix + "wake.bell"
+
+
+def worker_wake_name(prefix: str, device: int) -> str:
+    """The wake-up of the I/O worker of ``device``."""
+    return prefix + f"wake.w{device}"
+
+
+def client_wake_prefix(prefix: str) -> str:
+    """Connection ``cid``'s wake-up is this plus ``str(cid)``."""
+    return prefix + "wake.c"
+
+
 def wake_path(name: str) -> Path:
     """Where wake-up ``name`` (a shm name, without the leading slash) lives."""
     return SHM_DIR / name
@@ -172,4 +187,5 @@ def unlink_wake(name: str) -> None:
         pass
 
 
-__all__ = ["WakeReader", "WakeWriter", "make_wake", "unlink_wake", "wake_path"]
+__all__ = ["WakeReader", "WakeWriter", "client_wake_prefix", "doorbell_name", "make_wake", "unlink_wake",
+           "wake_path", "worker_wake_name"]
