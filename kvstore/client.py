@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
@@ -451,8 +450,7 @@ class KVCacheClient:
             raise ClosedError("client is closed")
 
     def _check_service(self) -> None:
-        r, _, _ = select.select([self._sock], [], [], 0)
-        if r:
+        if P.readable([self._sock]):
             try:
                 data = self._sock.recv(1, socket.MSG_PEEK)
             except OSError:

@@ -109,8 +109,10 @@ class ServiceProcess:
     """
 
     def __init__(self, home: Path, store: str, server: str = "local", *, log: Path | None = None,
-                 start_timeout: float = 60.0, netns: str | None = None, args: Sequence[str] = ()) -> None:
+                 start_timeout: float = 60.0, netns: str | None = None, args: Sequence[str] = (),
+                 wrap: Sequence[str] = ()) -> None:
         self.netns = netns
+        self.wrap = list(wrap)  # a command that execs the service (`prlimit --nofile=256:4096 --`)
         self.args = list(args)
         self.home = Path(home)
         self.store = store
@@ -134,6 +136,7 @@ class ServiceProcess:
         cmd, env, cwd = cli_command("kvcache", "connect", self.store, "--server", self.server, *self.args,
                                     env=dict(os.environ, MASS_HOME=str(self.home.resolve()), PYTHONUNBUFFERED="1"))
         self._logf = open(self.log, "ab")
+        cmd = [*self.wrap, *cmd]
         if self.netns:  # `ip netns exec` execs the command: the pid stays the service's
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(

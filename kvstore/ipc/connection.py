@@ -92,8 +92,10 @@ one (up to its timeout).
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -340,6 +342,18 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
     return decode_frame(_recv_exact(sock, n))
+
+
+def readable(socks: Sequence[socket.socket]) -> list[socket.socket]:
+    """Those of ``socks`` with bytes to read, or closed, now. (poll, not select: select refuses
+    descriptors from 1024 up, which a service of many clients or a busy engine process has.)"""
+    p = select.poll()
+    by_fd: dict[int, socket.socket] = {}
+    for s in socks:
+        fd = s.fileno()
+        by_fd[fd] = s
+        p.register(fd, select.POLLIN)
+    return [by_fd[fd] for fd, _ev in p.poll(0) if fd in by_fd]  # POLLIN, or HUP/ERR: recv tells
 
 
 def recv_frame_fds(sock: socket.socket, max_fds: int = 2) -> tuple[dict[str, Any], list[int]]:

@@ -20,7 +20,6 @@ transfer into (``held``, freed when that worker is gone).
 from __future__ import annotations
 
 import os
-import select
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -201,8 +200,7 @@ class Clients:
         drop them once no I/O uses their buffers."""
         socks = [c.sock for c in self.conns.values() if c.alive]
         if socks:
-            r, _, _ = select.select(socks, [], [], 0)
-            for s in r:
+            for s in P.readable(socks):
                 conn = next(c for c in self.conns.values() if c.sock is s)
                 try:
                     data = s.recv(64)

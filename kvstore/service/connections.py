@@ -22,7 +22,6 @@ Three rules live here (docs/ARCHITECTURE.md, "Requests are owned"):
 
 from __future__ import annotations
 
-import select
 import socket
 import struct
 import time
@@ -133,8 +132,7 @@ class Handshakes:
         why: list[str] = []
         if not self.pending:
             return done, why
-        r, _, _ = select.select([p.sock for p in self.pending.values()], [], [], 0)
-        for s in r:
+        for s in P.readable([p.sock for p in self.pending.values()]):
             fd = s.fileno()
             p = self.pending[fd]
             try:

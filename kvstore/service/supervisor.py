@@ -36,6 +36,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import resource
 import signal
 import time
 from collections.abc import Iterator
@@ -76,6 +77,10 @@ from .sync import SyncLink, new_epoch
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.02
+
+
+FD_MARGIN = 256
+"""Open files a service needs besides its connections' (``Supervisor._raise_fd_limit``)."""
 
 
 class Supervisor:
@@ -193,6 +198,24 @@ class Supervisor:
         self._wakes.append(name)
         return WakeReader.create(name, 0o620 if self.group is not None else 0o600, self.group)
 
+    def _raise_fd_limit(self) -> None:
+        """Raise the soft limit on open files to what ``max_clients`` needs (the workers inherit it).
+
+        Each connection holds three descriptors in the supervisor (its socket, its wake-up's write
+        end, and the one Python's mmap keeps of its segment) and two in each worker (the mapping's
+        and the wake-up's); handshakes, devices, logs and ZeroMQ take the rest of a fixed margin.
+        A hard limit below that is a clear start-up error, not EMFILE at some later client."""
+        n = self.cfg.service.max_clients
+        need = 3 * n + FD_MARGIN
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY or soft >= need:
+            return
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise KVStoreError(f"service.max_clients = {n} needs {need} open files, but this process may open "
+                               f"at most {hard} (ulimit -Hn; LimitNOFILE= under systemd): raise it or lower "
+                               f"max_clients")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
     def start(self) -> None:
         """Lock, clean a crashed predecessor's leftovers, verify devices, build shm, rebuild, spawn."""
         cfg = self.cfg
@@ -215,6 +238,7 @@ class Supervisor:
             if self.arena_count > REQUEST_RING:
                 raise ValueError(f"max_clients x client_buffers must be <= {REQUEST_RING}, "
                                  f"got {self.arena_count}")
+            self._raise_fd_limit()
             lay = ControlLayout.of(total)
             self.layout = lay
             ctl = self._segment("control", lay.nbytes, self.read_mode)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import select
+import signal
 import stat
 from pathlib import Path
 
@@ -148,7 +149,8 @@ class WakeWriter:
         return cls(os.open(wake_path(name), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
 
     def post(self) -> None:
-        """Wake the consumer (a full FIFO already holds a wake-up; a gone consumer needs none)."""
+        """Wake the consumer (a full FIFO already holds a wake-up; a gone consumer needs none,
+        and its SIGPIPE is never delivered, whatever the program's SIGPIPE action)."""
         _post(self.fd)
 
     def close(self) -> None:
@@ -159,10 +161,24 @@ class WakeWriter:
 
 
 def _post(fd: int) -> None:
+    if signal.getsignal(signal.SIGPIPE) is signal.SIG_IGN:  # Python's default: EPIPE, no signal
+        try:
+            os.write(fd, b"\x01")
+        except (BlockingIOError, BrokenPipeError, InterruptedError):
+            pass
+        return
+    # A program that restored SIGPIPE's default action would be killed by a post to a wake-up
+    # whose consumer is gone (the service killed): block it for this write, and take the signal
+    # the write raised before unblocking.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
     try:
         os.write(fd, b"\x01")
-    except (BlockingIOError, BrokenPipeError, InterruptedError):
+    except BrokenPipeError:
+        signal.sigtimedwait({signal.SIGPIPE}, 0)
+    except (BlockingIOError, InterruptedError):
         pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def make_wake(name: str, mode: int = 0o600, group: int | None = None) -> None:

@@ -245,3 +245,36 @@ def test_writes_finishing_after_an_unwaited_put_do_not_touch_the_next_call(home:
             assert w == 0
             lost += m
         assert lost == 0, f"{lost} hits reported as misses"
+
+
+def test_max_clients_gets_the_open_files_it_needs(file_devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
+    """Each connection holds three descriptors in the supervisor and two in each worker. Started with
+    a soft limit of 256 open files (a hard one of 4096), a service for 300 clients raises its own
+    limit and serves all 300 at once, on both devices; with a hard limit below what 300 need it
+    refuses to start, saying why (without, the 278th client failed with EMFILE)."""
+    from kvstore.errors import KVStoreError
+    from kvstore.service.supervisor import FD_MARGIN
+    from kvstore.testing import ServiceProcess
+
+    n = 300
+    devs = file_devices.make(2, dev_size(2 * n))
+    make_store(home, "fd", devs, PS, service=ServiceConfig(client_buffers=2, max_clients=n))
+    with pytest.raises(KVStoreError, match=r"max_clients = 300 needs 1156 open files.*at most 512"):
+        ServiceProcess(home, "fd", wrap=["prlimit", "--nofile=256:512", "--"], start_timeout=60).start()
+    svc = services(home, "fd", wrap=["prlimit", "--nofile=256:4096", "--"])
+    limits = Path(f"/proc/{svc.proc.pid}/limits").read_text()
+    line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
+    assert line.split()[3:5] == [str(3 * n + FD_MARGIN), "4096"], line
+    clients = []
+    try:
+        for i in range(n):
+            clients.append(KVCacheClient.connect("fd", home=home, timeout=30))
+        keys = [b"fd/%d" % i for i in range(n)]
+        for c, k in zip(clients, keys):
+            assert c.put([k], [page_bytes(k, PS)], wait=True).stored == 1
+        for c, k in zip(reversed(clients), keys):
+            with c.get([k]) as got:
+                assert got[0] is not None and bytes(got[0]) == bytes(page_bytes(k, PS))
+    finally:
+        for c in clients:
+            c.close()

@@ -172,3 +172,26 @@ def test_adopt_refuses_what_is_not_a_fifo() -> None:
     finally:
         seg.close()
         seg.unlink()
+
+
+def test_a_post_to_a_gone_consumer_never_kills_the_poster(wake_name: str) -> None:
+    """A program that restored SIGPIPE's default action (Python ignores it) posts to a wake-up
+    whose consumer is gone, as a client does when its service was killed: it lives on, and no
+    SIGPIPE stays pending for it."""
+    code = f"""
+import os, signal
+from kvstore.shm.wake import WakeWriter, make_wake, wake_path
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+make_wake({wake_name!r})
+r = os.open(wake_path({wake_name!r}), os.O_RDONLY | os.O_NONBLOCK)
+w = WakeWriter.open({wake_name!r})
+w.post()
+os.close(r)          # the consumer is gone: a plain write now raises SIGPIPE
+for _ in range(3):
+    w.post()
+assert signal.SIGPIPE not in signal.sigpending(), "a SIGPIPE was left pending"
+assert signal.SIGPIPE not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGPIPE left blocked"
+print("alive")
+"""
+    p = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "alive", (p.returncode, p.stderr)
