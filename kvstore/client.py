@@ -365,7 +365,11 @@ class KVCacheClient:
             if hello.get("kind") == "tenant":
                 raise NotAllowed(f"the service of {store!r} refused the connection: {hello.get('error')}")
             raise KVStoreError(f"the service of {store!r} refused the connection: {hello.get('error')}")
-        return cls(s, hello, timeout, poll_s, fds[0], fds[1])
+        try:
+            return cls(s, hello, timeout, poll_s, fds[0], fds[1])
+        except OSError as e:  # e.g. ENXIO: the service's wake-ups lost their reader, it is gone
+            s.close()
+            raise ServiceLost(f"the service of {store!r} went away during the handshake: {e}") from None
 
     def close(self) -> None:
         """Disconnect (idempotent).

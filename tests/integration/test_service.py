@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -278,3 +279,35 @@ def test_max_clients_gets_the_open_files_it_needs(file_devices, home: Path, serv
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.mark.parametrize("ndev", [1, 3])
+def test_a_client_costs_its_process_the_open_files_the_readme_names(file_devices, home: Path, services,
+                                                                    ndev: int) -> None:  # type: ignore[no-untyped-def]
+    """README's limits: a client holds 5 + devices descriptors while connected (its socket, the
+    doorbell's write end, its wake-up's read end, its own segment and the control segment that
+    Python's mmap keeps open, each device worker's wake-up write end); close() gives back the
+    socket and the wake-ups at once, the two mappings once the client object is gone (its own
+    arrays over them live as long as it does)."""
+    devs = file_devices.make(ndev, dev_size(64))
+    make_store(home, f"fds{ndev}", devs, PS)
+    services(home, f"fds{ndev}")
+
+    def nfds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = nfds()
+    c = KVCacheClient.connect(f"fds{ndev}", home=home)
+    try:
+        ks = keys_of("f", 8)
+        c.put(ks, [page_bytes(k, PS) for k in ks], wait=True)
+        with c.get(ks) as b:
+            assert check_batch(ks, b) == (8, 0, 0)
+        held = nfds() - before
+    finally:
+        c.close()
+    assert held == 5 + ndev, f"a client holds {held} descriptors with {ndev} device(s)"
+    assert nfds() == before + 2
+    del b, c
+    gc.collect()
+    assert nfds() == before
