@@ -108,29 +108,43 @@ def _host_name() -> str:
 
 
 def _pick_server(cfg: StoreConfig, name: str | None, home: Path | None = None) -> str:
-    """``name`` if allowed; else the allowed server whose public key a key file here holds;
-    else the only server, or the one named after this host."""
-    if name:
-        cfg.check_allowed(name)
-        return name
-    from .crdt.keys import local_keys
+    """The server this machine serves: ``name``, or the allowed server whose public key a key
+    file here holds. Either way this machine must hold that server's private key: no
+    fallback (the only server, the host's name) lets a machine run as a server it cannot
+    prove to be, since two writers of one area turn each other's pages into misses."""
+    from .crdt.keys import local_keys, serving_key
 
+    if name:
+        i = cfg.check_allowed(name)
+        serving_key(cfg.name, name, cfg.servers[i].public_key, home)
+        return name
     mine = local_keys(cfg.name, home)
     matching = [s.name for s in cfg.allowed if s.public_key and s.public_key.encode() in mine]
     if len(matching) == 1:
         return matching[0]
-    if len(cfg.allowed) == 1:
-        return cfg.allowed[0].name
-    host = _host_name()
-    if host in matching or (not matching and any(s.name == host for s in cfg.allowed)):
-        return host
     if matching:
         raise NotAllowed(f"keys for several servers of store {cfg.name!r} are here ({', '.join(matching)}): "
                          "pass --server NAME")
+    # no key here is allowed: say why, naming the key files this machine does hold
+    by_name = {s.name: s for s in cfg.servers}
+    for pub, path in sorted(mine.items(), key=lambda kv: kv[1].name):
+        n = path.stem
+        if n in by_name and not by_name[n].denied:  # a key of that name, not the allowed one
+            serving_key(cfg.name, n, by_name[n].public_key, home)
+        if n in by_name and by_name[n].denied:
+            raise NotAllowed(f"server {n!r} was denied on store {cfg.name!r}: this machine's key for it is no "
+                             f"longer allowed (the administrator gives it back with 'mass-ctl kvcache allow "
+                             f"{cfg.name} {n}=HOST:PORT --key={pub.decode()}')")
+    if mine:
+        pub, path = min(mine.items(), key=lambda kv: kv[1].name)
+        n = path.stem
+        raise NotAllowed(f"this machine's key for server {n!r} of store {cfg.name!r} is not allowed yet: the "
+                         f"administrator runs 'mass-ctl kvcache allow {cfg.name} {n}=HOST:PORT "
+                         f"--key={pub.decode()}' on the administrator's machine; then connect again")
     raise NotAllowed(f"no key here matches an allowed server of store {cfg.name!r} "
                      f"({', '.join(s.name for s in cfg.allowed)}): make one with 'mass-ctl kvcache keygen "
                      f"{cfg.name}' and have the administrator run 'mass-ctl kvcache allow {cfg.name} "
-                     "NAME=HOST:PORT --key=PUBLIC', or pass --server NAME")
+                     "NAME=HOST:PORT --key=PUBLIC'")
 
 
 def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> bool:
@@ -254,12 +268,14 @@ def cmd_connect(a: argparse.Namespace) -> int:
         argv, env, cwd = cli_command("kvcache", "connect", cfg.name, "--server", server,
                                      env=dict(os.environ, MASS_HOME=str(home.resolve())))
         with open(logp, "ab") as logf:
+            since = logf.tell()
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                  start_new_session=True, env=env, cwd=cwd)
         deadline = time.monotonic() + 120
-        while _running(cfg.name, server, home) != p.pid:
+        # success only once the service answers a client: a pid file alone is a start, not a service
+        while not (_running(cfg.name, server, home) == p.pid and _answers(cfg.name, server, home)):
             if p.poll() is not None:
-                _err(f"the service exited with code {p.returncode}; see {logp}")
+                _err(f"the service exited with code {p.returncode}{_last_error(logp, since)}; see {logp}")
                 return EXIT_REFUSED if p.returncode == EXIT_REFUSED else EXIT_FAIL
             if time.monotonic() > deadline:
                 _err(f"the service did not come up within 120 s; see {logp}")
@@ -271,6 +287,31 @@ def cmd_connect(a: argparse.Namespace) -> int:
     configure_logging(store=cfg.name, server=server, component="supervisor")
     serve(cfg, server)
     return EXIT_OK
+
+
+def _answers(store: str, server: str, home: Path) -> bool:
+    """Does the service take a client and answer a ping?"""
+    from .client import KVCacheClient
+
+    try:
+        with KVCacheClient.connect(store, server=server, home=home, timeout=5.0) as c:
+            c.ping()
+        return True
+    except KVStoreError:
+        return False
+
+
+def _last_error(logp: Path, since: int) -> str:
+    """': <reason>' from the last 'mass-ctl: error:' line a daemon wrote to its log after
+    offset ``since``, or ''."""
+    try:
+        with open(logp, "rb") as f:
+            f.seek(since)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errs = [ln.split("error: ", 1)[1] for ln in lines if ln.startswith("mass-ctl: error: ")]
+    return f": {errs[-1]}" if errs else ""
 
 
 def _set_hosted(home: Path, store: str, server: str | None, metrics: str | None, events: str | None) -> None:
@@ -471,21 +512,35 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 
 def cmd_disconnect(a: argparse.Namespace) -> int:
+    from .config import load_local
+
     home = mass_home()
-    cfg = load_store(a.store, home)
-    server = _pick_server(cfg, a.server)
-    pid = _running(cfg.name, server, home)
+    check_name(a.store, "store")
+    load_local(a.store, home)  # only this machine's state: a torn or replayed device must not stop a stop
+    if a.server:
+        server = check_name(a.server, "server")
+    else:
+        rd = run_dir(a.store, home)
+        running = sorted(p.stem for p in rd.glob("*.pid") if _running(a.store, p.stem, home)) if rd.is_dir() else []
+        if len(running) > 1:
+            raise NotAllowed(f"several services of store {a.store!r} run here ({', '.join(running)}): pass "
+                             "--server NAME")
+        if not running:
+            _err(f"no service of store {a.store!r} runs here")
+            return EXIT_NOT_FOUND
+        server = running[0]
+    pid = _running(a.store, server, home)
     if not pid:
-        _err(f"no service of store {cfg.name!r} as server {server!r} runs here")
+        _err(f"no service of store {a.store!r} as server {server!r} runs here")
         return EXIT_NOT_FOUND
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + a.timeout
-    while _running(cfg.name, server, home) and time.monotonic() < deadline:
+    while _running(a.store, server, home) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _running(cfg.name, server, home):
+    if _running(a.store, server, home):
         _err(f"service pid {pid} did not stop within {a.timeout} s")
         return EXIT_FAIL
-    print(f"stopped the service of store {cfg.name} as server {server} (pid {pid})")
+    print(f"stopped the service of store {a.store} as server {server} (pid {pid})")
     return EXIT_OK
 
 

@@ -120,6 +120,8 @@ class ServiceProcess:
         self.start_timeout = start_timeout
         self.log = log or (self.home / f"service-{store}-{server}.log")
         self.proc: subprocess.Popen[bytes] | None = None
+        self.expected_exit = 0
+        """The exit status its test expects (4: it stopped itself, denied or without its key)."""
 
     @property
     def sock(self) -> Path:

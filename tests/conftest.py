@@ -115,7 +115,7 @@ def services() -> Iterator[Callable[..., ServiceProcess]]:
     yield start
     for s, kids in started:
         kids += [k for k in s.children() if k not in kids]
-        assert s.stop() in (0, -9), f"service exited with an error; see {s.log}"
+        assert s.stop() in (s.expected_exit, -9), f"service exited with an error; see {s.log}"
     for s, _kids in started:
         assert not s.leftovers(), f"shm left behind: {s.leftovers()}"
     deadline = time.monotonic() + 10

@@ -6,6 +6,11 @@ is what every peer checks connections against. A GPU server makes its own
 keypair (``mass-ctl kvcache keygen``) and only the public key travels, to the
 administrator's ``allow``; sites that prefer can let ``create``/``allow`` make
 it and copy the file themselves.
+
+A machine serves as a server only with that server's private key (``serving_key``):
+the key file holding the public key the membership gives the server's area. Nothing
+picks a server by name or by being the only one: a machine that connects before it is
+allowed, or holds a server's name but not its key, is refused before it writes.
 """
 
 from __future__ import annotations
@@ -85,3 +90,33 @@ def keypair_for(store: str, public: bytes, home: Path | None = None) -> tuple[by
                          f"{public.decode()} that the store's membership gives this server: run on the machine "
                          "that made it, or have the administrator allow this machine's key")
     return _read(p)
+
+
+def serving_key(store: str, server: str, public: str, home: Path | None = None) -> tuple[bytes, bytes]:
+    """The keypair this machine serves ``server`` with: the local key file holding ``public``
+    (Z85), the key the store's membership gives that server.
+
+    Raises:
+        NotAllowed: no key file here holds it (the message says what the operator can do).
+    """
+    if not public:
+        raise NotAllowed(f"server {server!r} of store {store!r} has no key in the membership")
+    try:
+        return keypair_for(store, public.encode(), home)
+    except NotAllowed:
+        pass
+    p = key_path(store, server, home)
+    here = ""
+    try:
+        here = _read(p)[0].decode()
+    except (NotAllowed, OSError):
+        pass
+    if here:
+        raise NotAllowed(f"this machine's key for server {server!r} ({p}, public {here}) is not the one store "
+                         f"{store!r} allows for {server!r} ({public}): this is another machine, or the key was "
+                         "rotated. Run on the machine that holds it, or have the administrator allow this key "
+                         f"('mass-ctl kvcache allow {store} {server} --update --key={here}')")
+    raise NotAllowed(f"no key here for server {server!r} of store {store!r}: a machine serves a server only with "
+                     f"its private key (the one whose public half the store allows: {public}). Run on the "
+                     "machine that holds it")
+

@@ -35,9 +35,9 @@ class AgentProcess:
 
     def __init__(self, *, cfg: Callable[[], StoreConfig], server: str, area: int, home: Path, epoch: int,
                  smap: SlotMap, prefix: str, mp: Any, stats: StatsBlock, log: Any, sync: SyncLink,
-                 resnapshot: set[int], stopping: Callable[[], bool], give_up: Callable[[], None]) -> None:
+                 resnapshot: set[int], stopping: Callable[[], bool], give_up: Callable[[str], None]) -> None:
         """``resnapshot``: areas whose full state the agent must fetch again (the supervisor adds to
-        it); ``give_up()`` stops the service (this server's key is not on this machine)."""
+        it); ``give_up(why)`` stops the service (this server's key is not on this machine)."""
         self._cfg = cfg
         self.server, self.area, self.home, self.epoch = server, area, home, epoch
         self.smap, self.prefix, self._mp = smap, prefix, mp
@@ -63,8 +63,7 @@ class AgentProcess:
             public, secret = keypair_for(cfg.name, me.public_key.encode(), self.home) if me.public_key \
                 else load_keypair(cfg.name, self.server, self.home)
         except NotAllowed as e:  # the administrator gave this server a key this machine does not hold
-            self.log.error("this server's key is not on this machine; stopping", error=str(e))
-            self._give_up()
+            self._give_up(f"{e}; stopped")
             return
         # the membership the new agent serves is the one the supervisor merges for
         self.sync.denied[:len(cfg.servers)] = [s.denied for s in cfg.servers]

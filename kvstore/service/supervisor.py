@@ -49,7 +49,7 @@ import structlog
 import zmq
 
 from ..config import StoreConfig, mass_home, run_dir
-from ..errors import AddressUnavailable, AlreadyRunning, KVStoreError
+from ..errors import AddressUnavailable, AlreadyRunning, KVStoreError, NotAllowed
 from ..logging import recent_warnings
 from ..ipc.iorings import REQUEST_RING, WorkerRings
 from ..crdt.log import SyncRings
@@ -62,6 +62,7 @@ from ..shm.segment import Segment, name_prefix, remove_leftovers
 from ..shm.wake import WakeReader, client_wake_prefix, doorbell_name, unlink_wake, worker_wake_name
 from ..shm.slots import EMPTY, VALID, SlotMap, entry_words
 from ..shm.stats import StatsBlock, stats_nbytes
+from ..crdt.keys import serving_key
 from ..storage.membership import Membership, read_membership
 from .allocator import Allocator, Generations
 from .connections import Conn
@@ -93,6 +94,10 @@ class Supervisor:
         self.server = server
         self.home = (home or mass_home()).resolve()
         self.area = cfg.check_allowed(server)
+        # only with this server's private key: before anything is mapped, locked or written
+        serving_key(cfg.name, server, cfg.servers[self.area].public_key, self.home)
+        self.refused = ""
+        """Why the service stopped itself (denied, its key not here): ``serve`` raises it."""
         self.prefix = name_prefix(self.home, cfg.name, server)
         self.rundir = run_dir(cfg.name, self.home)
         self.sock_path = self.rundir / f"{server}.sock"
@@ -387,9 +392,15 @@ class Supervisor:
         if [[a.slot_count for a in sb.areas] for sb in sbs] != self.smap.counts:
             raise ValueError("the devices' area layout changed: restart the service")
         if new.servers[self.area].denied or new.servers[self.area].name != self.server:
-            self.log.error("this server was denied on the store; stopping")
-            self.stop = True
+            self._give_up(f"server {self.server!r} was denied on store {new.name!r} (membership generation "
+                          f"{new.membership_gen}); stopped")
             return
+        if new.servers[self.area].public_key != old.servers[self.area].public_key:
+            try:  # the administrator rotated this server's key: serve on only if the new one is here
+                serving_key(new.name, self.server, new.servers[self.area].public_key, self.home)
+            except NotAllowed as e:
+                self._give_up(f"{e}; stopped")
+                return
         dropped = 0
         for i, sv in enumerate(new.servers):
             was = old.servers[i].denied if i < len(old.servers) else False
@@ -466,7 +477,10 @@ class Supervisor:
     def _clients_reading(self, gid: int) -> bool:
         return self.clients is not None and self.clients.reading(gid)
 
-    def _give_up(self) -> None:
+    def _give_up(self, why: str) -> None:
+        """Stop: this machine may no longer serve as this server (``serve`` raises ``why``)."""
+        self.log.error("this machine may no longer serve as this server; stopping", reason=why)
+        self.refused = why
         self.stop = True
 
     def _worker_lost(self, device: int, dead: bool) -> list[tuple[Conn, int]]:
@@ -636,6 +650,8 @@ def serve(cfg: StoreConfig, server: str, home: Path | None = None) -> None:
     sup.install_signal_handlers()
     sup.start()
     sup.run()
+    if sup.refused:  # denied, or its key is gone: a failure to whoever started it (systemd too)
+        raise NotAllowed(sup.refused)
 
 
 __all__ = ["Supervisor", "serve"]

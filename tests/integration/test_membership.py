@@ -141,7 +141,9 @@ def test_machines_join_and_leave_through_the_devices_alone(home: Path, file_devi
         r = ctl(home, "deny", "m", "c")
         assert r.returncode == 0, r.stderr
         assert wait_for(lambda: sc.proc.poll() is not None)  # c's own service stopped itself
-        assert sc.proc.returncode == 0
+        assert sc.proc.returncode == 4  # a failure to whoever started it (systemd: not a clean stop)
+        sc.expected_exit = 4
+        assert "server 'c' was denied on store 'm'" in sc.log.read_text()
         assert wait_for(lambda: visible(host_b, "b", keys_of("c", 30)) == 0)
         assert visible(home, "a", keys_of("c", 30)) == 0
         assert read_all(host_b, "b", keys_of("c", 30)) == (0, 30, 0)
@@ -152,7 +154,7 @@ def test_machines_join_and_leave_through_the_devices_alone(home: Path, file_devi
         r = ctl(host_c, "connect", "m", "--server", "c")
         assert r.returncode == 4 and "was denied" in r.stderr
         r = ctl(host_c, "connect", "m")  # c's key matches no allowed server any more
-        assert r.returncode == 4 and "no key here matches an allowed server" in r.stderr
+        assert r.returncode == 4 and "server 'c' was denied on store 'm'" in r.stderr
         # refusals on a machine that is not the administrator's
         r = ctl(host_b, "deny", "m", "a")
         assert r.returncode == 4 and "no administrator key" in r.stderr
@@ -223,7 +225,8 @@ def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices
     assert stats(sa).areas_dropped == 30
     assert not (home / "keys" / "m" / "c.key").exists()
     assert load_store("m", home).servers[2].denied
-    assert wait_for(lambda: sc.proc.poll() is not None) and sc.proc.returncode == 0
+    assert wait_for(lambda: sc.proc.poll() is not None) and sc.proc.returncode == 4  # denied: refused
+    sc.expected_exit = 4
     # refusals
     r = ctl(home, "connect", "m", "--server", "c")
     assert r.returncode == 4 and "was denied" in r.stderr
@@ -235,7 +238,7 @@ def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices
     r = ctl(home, "allow", "m", "c")
     assert r.returncode == 0, r.stderr
     assert "area 2" in r.stdout
-    services(home, "m", "c")
+    sc2 = services(home, "m", "c")
     assert wait_for(lambda: visible(home, "a", keys_of("c", 30)) == 30)
     assert read_all(home, "a", keys_of("c", 30)) == (30, 0, 0)
     assert put_pages(home, "b", keys_of("b-marker", 5)).stored == 5
@@ -243,10 +246,13 @@ def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices
     assert ctl(home, "deny", "m", "b").returncode == 0
     r = ctl(home, "deny", "m", "c")
     assert r.returncode == 0
+    assert wait_for(lambda: sc2.proc.poll() is not None) and sc2.proc.returncode == 4
+    sc2.expected_exit = 4
     r = ctl(home, "deny", "m", "a")
     assert r.returncode == 4 and "last allowed server" in r.stderr
     assert wait_for(lambda: sb.proc.poll() is not None)  # b stopped itself when it was denied
-    assert sb.proc.returncode == 0
+    assert sb.proc.returncode == 4
+    sb.expected_exit = 4
     # d takes over b's area, and the pages b left in it
     r = ctl(home, "allow", "m", "d=127.0.0.1:1", "--reuse", "a")
     assert r.returncode == 4 and "not denied" in r.stderr
@@ -262,3 +268,41 @@ def test_deny_cuts_a_server_off_and_allow_takes_it_back(home: Path, file_devices
     assert wait_for(lambda: visible(home, "a", keys_of("d", 10)) == 10)
     assert put_pages(home, "a", keys_of("a-end", 10)).stored == 10  # a serves on, alone
     assert read_all(home, "a", keys_of("a-end", 10)) == (10, 0, 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_machine_serves_only_with_the_servers_key(home: Path, file_devices: Any, services: Any, n: int) -> None:
+    """A new machine that connects before it is allowed, or that names a server whose key it does
+    not hold, is refused before it writes anything, with what to do; the real server loses nothing.
+    (Before: on a one-server store the new machine ran as server a, and a read back 0 of its pages.)"""
+    from kvstore.errors import NotAllowed
+    from kvstore.service.supervisor import Supervisor
+
+    names = ["a", "b", "c"][:n]
+    devs = file_devices.make(2, (1 << 20) + (n + 1) * 100 * (4096 + PS))
+    make_store(home, "m", devs, PS, [f"{x}=127.0.0.1:{free_port_pair()}" for x in names], spare=1)
+    sa = services(home, "m", "a")
+    assert put_pages(home, "a", keys_of("a", 40)).stored == 40
+    host_x = home / "host-x"
+    pub_x = keygen(host_x, "x")
+    r = ctl(host_x, "connect", "m", "--device", devs[0])
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "this machine's key for server 'x' of store 'm' is not allowed yet" in r.stderr
+    assert f"mass-ctl kvcache allow m x=HOST:PORT --key={pub_x}" in r.stderr
+    # a key made under a member's name is not that member's key
+    keygen(host_x, "a")
+    for args in ((), ("--server", "a")):
+        r = ctl(host_x, "connect", "m", *args)
+        assert r.returncode == 4, r.stdout + r.stderr
+        assert "is not the one store 'm' allows for 'a'" in r.stderr
+    (host_x / "keys" / "m" / "a.key").unlink()
+    (host_x / "keys" / "m" / "x.key").unlink()
+    for s in names:
+        r = ctl(host_x, "connect", "m", "--server", s)
+        assert r.returncode == 4 and f"no key here for server {s!r} of store 'm'" in r.stderr
+    # the service itself refuses too (a library caller skips the CLI)
+    with pytest.raises(NotAllowed, match="no key here for server 'a'"):
+        Supervisor(load_store("m", host_x), "a", host_x)
+    assert not list((host_x / "run").rglob("*.pid")) if (host_x / "run").exists() else True
+    assert read_all(home, "a", keys_of("a", 40)) == (40, 0, 0)
+    assert stats(sa).validation_failures == 0
