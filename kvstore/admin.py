@@ -13,19 +13,21 @@ public keys go into the membership; the signing key stays where ``create`` ran.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import stat
 import uuid as uuidlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq.utils.z85
 
 from .config import (ADDRESS_RE, LocalConfig, ServerConfig, ServiceConfig, StoreConfig, SyncConfig, WorkerConfig,
-                     admin_key_path, check_address, check_name, compose_store, key_path, load_local, mass_home,
-                     save_store, store_path)
+                     admin_key_path, check_address, check_name, compose_store, key_path, load_local, load_store,
+                     mass_home, note_membership, save_store, seen_record, store_path)
 from .errors import DeviceMismatch, NotAllowed, StoreNotFound
 from .storage.membership import AdminKey, Membership, change_membership, fingerprint, read_membership
 from .storage.superblock import AREA_DENIED, Area, Superblock
@@ -143,6 +145,15 @@ def create_store(home: Path, name: str, devices: Sequence[str], page_size: int, 
 
 def allow_server(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str | None = None,
                  events: str = "", metrics: str = "", update: bool = False) -> tuple[StoreConfig, int, bool]:
+    """Give ``spec`` an area (``_allow``), holding this machine's administrator lock and
+    deciding from the membership read under it (two allows at once never take one area)."""
+    with admin_lock(cfg.name, home):
+        cfg = load_store(cfg.name, home, torn_ok=True)
+        return _allow(home, cfg, spec, reuse=reuse, events=events, metrics=metrics, update=update)
+
+
+def _allow(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str | None = None,
+           events: str = "", metrics: str = "", update: bool = False) -> tuple[StoreConfig, int, bool]:
     """Give ``spec`` a spare area (or its own area back if it was denied, or a denied server's
     area with ``reuse``) on every device, signed; with ``update``, change an allowed server's
     sync address or key instead. Returns the new store, the area index, and whether a keypair
@@ -169,7 +180,8 @@ def allow_server(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str |
     elif allowed:
         raise NotAllowed(f"server {name!r} is already allowed on store {cfg.name!r} (--update changes its "
                          "sync address or key)")
-    m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin_key=admin.public)
+    m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin_key=admin.public,
+                        seen=seen_record(cfg.name, home).load(), torn_ok=True)
     if reuse is not None:
         ri = cfg.server_index(reuse)
         if not cfg.servers[ri].denied:
@@ -205,7 +217,7 @@ def allow_server(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str |
                                            public_key=check_public_key(pub, name))
         return areas
 
-    change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change)
+    _change(home, cfg, admin, change)
     local = load_local(cfg.name, home)
     if events or metrics or name in local.hosted:
         hosted = dict(local.hosted)
@@ -222,6 +234,11 @@ def deny_server(home: Path, cfg: StoreConfig, name: str) -> tuple[StoreConfig, i
     Raises:
         NotAllowed: unknown, already denied, the last allowed server, or no administrator key here.
     """
+    with admin_lock(cfg.name, home):
+        return _deny(home, load_store(cfg.name, home, torn_ok=True), name)
+
+
+def _deny(home: Path, cfg: StoreConfig, name: str) -> tuple[StoreConfig, int]:
     index = cfg.server_index(name)
     if cfg.servers[index].denied:
         raise NotAllowed(f"server {name!r} is already denied on store {cfg.name!r}")
@@ -234,9 +251,49 @@ def deny_server(home: Path, cfg: StoreConfig, name: str) -> tuple[StoreConfig, i
         areas[index] = dataclasses.replace(areas[index], flags=AREA_DENIED, public_key=b"")
         return areas
 
-    change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change)
+    _change(home, cfg, admin, change)
     key_path(cfg.name, name, home).unlink(missing_ok=True)
     return compose_store(load_local(cfg.name, home), home), index
+
+
+def repair_store(home: Path, cfg: StoreConfig) -> tuple[Membership, tuple[int, ...]]:
+    """Rewrite every device whose superblock is torn, rolled back (replayed) or lagging, from
+    the newest membership this machine has verified, signed at the next generation; the
+    membership itself does not change. Returns the new membership and the devices rewritten
+    (empty: nothing to repair, nothing written).
+
+    Raises:
+        NotAllowed: no administrator key here. DeviceMismatch: a device no record covers.
+    """
+    with admin_lock(cfg.name, home):
+        cfg = load_store(cfg.name, home, torn_ok=True)
+        admin = _admin(cfg, home)
+        m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin_key=admin.public,
+                            seen=seen_record(cfg.name, home).load(), torn_ok=True)
+        if not m.damaged:
+            return m, ()
+        return _change(home, cfg, admin, lambda areas: areas), m.damaged
+
+
+@contextlib.contextmanager
+def admin_lock(store: str, home: Path) -> Iterator[None]:
+    """This machine's administrator lock of ``store`` (flock): membership changes run one at a time."""
+    p = store_path(store, home).with_suffix(".admin.lock")
+    p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _change(home: Path, cfg: StoreConfig, admin: AdminKey, change: Callable[[list[Area]], list[Area]]) -> Membership:
+    record = seen_record(cfg.name, home)
+    m = change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change, seen=record.load())
+    record.note(m)
+    note_membership(cfg.name, cfg.uuid, m.gen, home)
+    return m
 
 
 def _admin(cfg: StoreConfig, home: Path) -> AdminKey:
@@ -325,5 +382,5 @@ def join_store(home: Path, name: str, devices: Sequence[str], admin_key: str | N
     return local, m, not (old and old.admin_key) and pinned is None
 
 
-__all__ = ["ServerSpec", "allow_server", "check_public_key", "create_store", "deny_server", "find_devices",
-           "join_store"]
+__all__ = ["ServerSpec", "admin_lock", "allow_server", "check_public_key", "create_store", "deny_server",
+           "find_devices", "join_store", "repair_store"]

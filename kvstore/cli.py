@@ -3,6 +3,7 @@
     mass-ctl kvcache create STORE --device PATH... --page-size SIZE --server NAME[=HOST:PORT[:PUBLIC]]...
                             [--area-size SIZE | --spare N]
     mass-ctl kvcache allow STORE NAME[=HOST:PORT] [--key=PUBLIC] [--reuse DENIED] / deny STORE NAME
+    mass-ctl kvcache repair STORE
     mass-ctl kvcache keygen STORE [--server NAME]
     mass-ctl kvcache connect STORE [--device PATH]... [--server NAME] [--admin-key HEX]
     mass-ctl kvcache connect STORE [--server NAME] --daemon / disconnect STORE [--server NAME]
@@ -182,7 +183,7 @@ def cmd_allow(a: argparse.Namespace) -> int:
     from .admin import ServerSpec, allow_server
 
     home = mass_home()
-    cfg = load_store(a.store, home)
+    cfg = load_store(a.store, home, torn_ok=True)
     spec = ServerSpec.parse(a.server, a.key or "")
     new, index, made = allow_server(home, cfg, spec, reuse=a.reuse, events=a.events or "", metrics=a.metrics or "",
                                     update=a.update)
@@ -203,7 +204,7 @@ def cmd_deny(a: argparse.Namespace) -> int:
     from .admin import deny_server
 
     home = mass_home()
-    cfg = load_store(a.store, home)
+    cfg = load_store(a.store, home, torn_ok=True)
     new, index = deny_server(home, cfg, a.server)
     print(f"denied server {a.server} on store {cfg.name}: its key is revoked and its area {index} is no "
           f"longer read (membership generation {new.membership_gen})")
@@ -211,6 +212,21 @@ def cmd_deny(a: argparse.Namespace) -> int:
     print(f"every machine serving the store applies it from the devices within {MEMBERSHIP_POLL_S:g} s; "
           f"its own service stops")
     return EXIT_FAIL if late else EXIT_OK
+
+
+def cmd_repair(a: argparse.Namespace) -> int:
+    from .admin import repair_store
+
+    home = mass_home()
+    cfg = load_store(a.store, home, torn_ok=True)
+    m, fixed = repair_store(home, cfg)
+    if not fixed:
+        print(f"store {cfg.name}: every device's superblock verifies at membership generation {m.gen}; nothing "
+              "to repair")
+        return EXIT_OK
+    print(f"rewrote the superblocks of device(s) {', '.join(m.paths[i] for i in fixed)} from the membership this "
+          f"machine last verified (now generation {m.gen})")
+    return EXIT_FAIL if _tell_running(load_store(cfg.name, home), home, m.gen, a.timeout) else EXIT_OK
 
 
 def cmd_keygen(a: argparse.Namespace) -> int:
@@ -351,20 +367,40 @@ def cmd_status(a: argparse.Namespace) -> int:
 def _status_once(a: argparse.Namespace) -> int:
     from .tui.source import read_service
 
+    from .config import compose_membership, load_local
+
     home = mass_home()
-    cfg = load_store(a.store, home)
-    servers = [a.server] if a.server else [s.name for s in cfg.servers]
-    out: dict[str, Any] = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size,
-                           "devices": list(cfg.devices), "servers": {}}
-    for name in servers:
-        i = cfg.server_index(name)
-        out["servers"][name] = {"denied": cfg.servers[i].denied, **read_service(home, cfg.name, name)}
+    local = load_local(a.store, home)
+    problems: list[str] = []
+    try:  # status works whatever one device holds: it says which device is bad, and shows the services
+        cfg, m = compose_membership(local, home, torn_ok=True)
+        problems = [r for r in m.refused if "both superblock copies are torn" in r or "older than the one" in r]
+        names = [s.name for s in cfg.servers]
+        denied = {s.name for s in cfg.servers if s.denied}
+        page = cfg.page_size
+    except KVStoreError as e:
+        page = 0
+        problems = [f"the membership cannot be read: {e}"]
+        rd = run_dir(a.store, home)
+        names = sorted(p.stem for p in rd.glob("*.pid")) if rd.is_dir() else []
+        denied = set()
+    if a.server:
+        check_name(a.server, "server")
+        if a.server not in names and not problems:
+            raise NotAllowed(f"server {a.server!r} is not on store {a.store!r} ({', '.join(names)})")
+        names = [a.server]
+    out: dict[str, Any] = {"store": local.name, "uuid": local.uuid, "page_size": page or None,
+                           "devices": list(local.devices), "problems": problems, "servers": {}}
+    for name in names:
+        out["servers"][name] = {"denied": name in denied, **read_service(home, local.name, name)}
     if a.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
-    print(f"store {cfg.name}  uuid {cfg.uuid}  page size {format_size(cfg.page_size)}")
-    for i, d in enumerate(cfg.devices):
+    print(f"store {local.name}  uuid {local.uuid}" + (f"  page size {format_size(page)}" if page else ""))
+    for i, d in enumerate(local.devices):
         print(f"  device {i}: {d}")
+    for pr in problems:
+        print(f"  PROBLEM: {pr}")
     for name, srv in out["servers"].items():
         if not srv["running"]:
             print(f"server {name}: {'DENIED, ' if srv['denied'] else ''}not running")
@@ -415,8 +451,8 @@ def cmd_list(a: argparse.Namespace) -> int:
     out: list[dict[str, Any]] = []
     for p in sorted((home / "stores").glob("*.toml")) if (home / "stores").is_dir() else []:
         try:
-            cfg = load_store(p.stem, home)
-        except ValueError as e:
+            cfg = load_store(p.stem, home, torn_ok=True)
+        except (ValueError, KVStoreError, OSError) as e:  # one broken store never hides the others
             out.append({"store": p.stem, "error": str(e)})
             continue
         out.append({"store": cfg.name, "page_size": cfg.page_size, "devices": len(cfg.devices),
@@ -445,10 +481,12 @@ def cmd_show(a: argparse.Namespace) -> int:
 
     from .config import load_local
 
+    from .config import compose_membership
+
     home = mass_home()
     local = load_local(a.store, home)
     try:
-        cfg = load_store(a.store, home)
+        cfg, m = compose_membership(local, home, torn_ok=True)
     except KVStoreError as err:  # the devices do not verify: show what they hold, and why
         print(f"store {local.name}  uuid {local.uuid}  membership: ERROR: {err}")
         for i, d in enumerate(local.devices):
@@ -472,6 +510,11 @@ def cmd_show(a: argparse.Namespace) -> int:
                                 for x in sb.areas]})
         except KVStoreError as err:
             e["error"] = str(err)
+        if i in m.torn:
+            e["problem"] = "torn: both superblock copies fail; the membership shown is this machine's record"
+        elif i in m.rolled_back:
+            e["problem"] = (f"rolled back: it holds membership generation {e.get('membership_generation')}, this "
+                            f"machine has verified {cfg.membership_gen} (a replayed or restored superblock)")
         devices.append(e)
     mine = local_keys(cfg.name, home)
     servers = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None,
@@ -490,7 +533,11 @@ def cmd_show(a: argparse.Namespace) -> int:
           f"{cfg.membership_gen}")
     print(f"  administrator key {cfg.admin_key}" + (" (its private half is here)" if out["administered_here"] else ""))
     for e in devices:
-        if "error" in e:
+        if "problem" in e:
+            fix = " (run 'mass-ctl kvcache repair " + cfg.name + "' here)" if out["administered_here"] else \
+                " (the administrator's 'mass-ctl kvcache repair " + cfg.name + "' rewrites it)"
+            print(f"  device {e['index']}: {e['path']}  PROBLEM: {e['problem']}{fix}")
+        elif "error" in e:
             print(f"  device {e['index']}: {e['path']}  ERROR: {e['error']}")
         else:
             areas = ", ".join(f"{x['server'] or '(spare)'}={x['slots']}{' DENIED' if x['denied'] else ''}"
@@ -628,6 +675,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for running services here to apply it (default 10)")
     c.set_defaults(fn=cmd_deny)
+
+    c = ks.add_parser("repair", help="rewrite torn or replayed superblocks from the last verified membership",
+                      description="On the administrator's machine: rewrite every device whose superblock copies "
+                                  "are torn, that went back to an older membership (a replayed or restored "
+                                  "superblock), or that a change interrupted, from the newest membership this "
+                                  "machine has verified, signed at the next generation. The membership itself "
+                                  "does not change. A torn device is rewritten only if its blocks still name the "
+                                  "store and its device index.")
+    c.add_argument("store")
+    c.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for running services here to apply it (default 10)")
+    c.set_defaults(fn=cmd_repair)
 
     c = ks.add_parser("connect", help="run this server's cache service in the foreground",
                       description="Start the cache service of STORE as this server; Ctrl-C or SIGTERM stops it "

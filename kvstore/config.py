@@ -5,6 +5,7 @@ Where things live (``MASS_HOME``, default ``~/.mass``), all of it this machine's
     $MASS_HOME/stores/<store>.toml     per-host settings: device paths, the pinned administrator key,
                                        metrics/events addresses, worker tuning, tenants' credentials
     $MASS_HOME/stores/<store>.seen     highest membership generation this machine has seen
+    $MASS_HOME/stores/<store>.membership  the newest verified superblock of each device seen here
     $MASS_HOME/keys/<store>/<n>.key    a server's CurveZMQ keypair (private: never leaves the machine)
     $MASS_HOME/keys/<store>/admin.sign the administrator's signing key (only where allow/deny run)
     $MASS_HOME/run/<store>/            runtime state: <server>.sock, <server>.lock, <server>.pid
@@ -33,7 +34,7 @@ import tomli_w
 from .errors import StoreNotFound
 
 if TYPE_CHECKING:
-    from .storage.membership import Membership
+    from .storage.membership import Membership, SeenRecord
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -549,7 +550,7 @@ def load_local(name: str, home: Path | None = None) -> LocalConfig:
     return LocalConfig.from_toml(text)
 
 
-def load_store(name: str, home: Path | None = None) -> StoreConfig:
+def load_store(name: str, home: Path | None = None, *, torn_ok: bool = False) -> StoreConfig:
     """Store ``name``: this machine's config composed with the membership on its devices
     (verified against the pinned administrator key; a replayed older membership is refused).
 
@@ -558,7 +559,7 @@ def load_store(name: str, home: Path | None = None) -> StoreConfig:
         DeviceMismatch: the devices cannot be read or do not verify (see storage/membership.py).
     """
     local = load_local(name, home)
-    return compose_store(local, home)
+    return compose_membership(local, home, torn_ok=torn_ok)[0]
 
 
 def compose_store(local: LocalConfig, home: Path | None = None) -> StoreConfig:
@@ -566,17 +567,30 @@ def compose_store(local: LocalConfig, home: Path | None = None) -> StoreConfig:
     return compose_membership(local, home)[0]
 
 
-def compose_membership(local: LocalConfig, home: Path | None = None) -> tuple[StoreConfig, Membership]:
-    """``compose_store``, and the membership as read (each device's superblock)."""
+def seen_record(name: str, home: Path | None = None) -> SeenRecord:
+    """This machine's record of the newest verified superblocks of store ``name``."""
+    from .storage.membership import SeenRecord
+
+    return SeenRecord(store_path(name, home).with_suffix(".membership"))
+
+
+def compose_membership(local: LocalConfig, home: Path | None = None, *,
+                       torn_ok: bool = False) -> tuple[StoreConfig, Membership]:
+    """``compose_store``, and the membership as read (each device's superblock). A device
+    rolled back to an older membership is read as this machine last saw it; with
+    ``torn_ok`` a torn one too (storage/membership.py)."""
     from .errors import DeviceMismatch
     from .storage.membership import read_membership
 
     if not local.admin_key:  # never trust whatever key the devices name, except at an explicit join
         raise DeviceMismatch(f"{store_path(local.name, home)} pins no administrator key: join the store with "
                              f"'mass-ctl kvcache connect {local.name} --device PATH [--admin-key HEX]'")
+    record = seen_record(local.name, home)
     m = read_membership(local.devices, store_uuid=uuidlib.UUID(local.uuid).bytes,
-                        admin_key=bytes.fromhex(local.admin_key), min_gen=seen_membership(local.name, local.uuid, home))
+                        admin_key=bytes.fromhex(local.admin_key), min_gen=seen_membership(local.name, local.uuid, home),
+                        seen=record.load(), torn_ok=torn_ok)
     note_membership(local.name, local.uuid, m.gen, home)
+    record.note(m)
     import zmq.utils.z85
 
     members = [(x.name, x.sync, zmq.utils.z85.encode(x.public_key).decode() if x.public_key else "", x.denied)

@@ -113,9 +113,13 @@ def services() -> Iterator[Callable[..., ServiceProcess]]:
         return s
 
     yield start
-    for s, kids in started:
+    bad = []
+    for s, kids in started:  # stop every one before judging any: a failed check must not leak the rest
         kids += [k for k in s.children() if k not in kids]
-        assert s.stop() in (s.expected_exit, -9), f"service exited with an error; see {s.log}"
+        rc = s.stop()
+        if rc not in (s.expected_exit, -9):
+            bad.append(f"service exited with {rc}; see {s.log}")
+    assert not bad, bad
     for s, _kids in started:
         assert not s.leftovers(), f"shm left behind: {s.leftovers()}"
     deadline = time.monotonic() + 10

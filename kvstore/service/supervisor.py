@@ -48,7 +48,7 @@ import numpy as np
 import structlog
 import zmq
 
-from ..config import StoreConfig, mass_home, run_dir
+from ..config import StoreConfig, mass_home, run_dir, seen_record
 from ..errors import AddressUnavailable, AlreadyRunning, KVStoreError, NotAllowed
 from ..logging import recent_warnings
 from ..ipc.iorings import REQUEST_RING, WorkerRings
@@ -229,9 +229,11 @@ class Supervisor:
             stale = remove_leftovers(self.prefix)
             if stale:
                 self.log.warning("removed leftovers of a crashed service", count=len(stale))
+            # a device rolled back to an older membership is read as this machine last saw it;
+            # a torn one stops the start (its path may lead to another device now)
             m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes,
                                 admin_key=bytes.fromhex(cfg.admin_key) if cfg.admin_key else None,
-                                min_gen=cfg.membership_gen)
+                                min_gen=cfg.membership_gen, seen=seen_record(cfg.name, self.home).load())
             # a change made since cfg was composed is applied by the watcher's first read (it only
             # renames or flags areas: the layout taken from these superblocks is the same)
             for why in m.refused:

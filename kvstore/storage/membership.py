@@ -13,13 +13,25 @@ first ``connect`` (or is given it) and from then on:
   change interrupted between devices is finished by the next change);
 * refuses a ``membership_gen`` lower than one it has already seen (a replayed old
   superblock cannot allow a denied server again).
+
+Each machine also keeps the newest verified superblock of each device it has read
+(``SeenRecord``, ``MASS_HOME/stores/<store>.membership``): signed by the administrator,
+so the file needs no trust of its own. A device that went back to an older membership
+(a replayed or restored superblock) is read as the record has it (``rolled_back``), so
+replays neither lock out the administrator nor stop a restart; with ``torn_ok``, a device
+whose copies are both torn is read from the record too (``torn``) when its blocks still
+name the store and that device index. The service never starts on a torn device (a path
+that now leads elsewhere must not be written); the administrator's next change, or
+``repair``, rewrites every torn or rolled-back device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +40,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from ..errors import CorruptPage, DeviceMismatch
-from .device import device_size, valid_copies, read_copies, write_superblock
-from .superblock import Area, Superblock
+from .device import device_size, open_direct, valid_copies, read_copies, write_superblock
+from .superblock import COPY_OFFSETS, MAGIC, SUPERBLOCK_SIZE, Area, Superblock
 
 
 class AdminKey:
@@ -120,7 +132,17 @@ class Membership:
     lagging: tuple[int, ...]
     """Devices whose ``membership_gen`` is lower (a change interrupted part-way)."""
     refused: tuple[str, ...]
-    """Why copies were refused (torn, forged, signed by another key): for the log."""
+    """Why copies were refused (torn, forged, signed by another key, rolled back): for the log."""
+    torn: tuple[int, ...] = ()
+    """Devices with no copy that verifies (torn or forged), read from this machine's record
+    (``torn_ok`` only)."""
+    rolled_back: tuple[int, ...] = ()
+    """Devices whose membership is older than this machine's record: read from the record."""
+
+    @property
+    def damaged(self) -> tuple[int, ...]:
+        """Devices the next change (or ``repair``) must rewrite: torn, rolled back or lagging."""
+        return tuple(sorted(set(self.torn) | set(self.rolled_back) | set(self.lagging)))
 
     @property
     def newest(self) -> Superblock:
@@ -143,49 +165,84 @@ class Membership:
 
 
 def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key: bytes | None,
-                    min_gen: int = 0) -> Membership:
+                    min_gen: int = 0, seen: Mapping[str, Superblock] | None = None,
+                    torn_ok: bool = False) -> Membership:
     """Read and verify a store's devices.
 
     ``admin_key`` is the pinned administrator key; ``None`` trusts the key device 0 names
     (a first connect: the caller pins what it gets). ``store_uuid`` ``None`` takes the
     store of device 0. ``paths`` may come in any order; the result is in device order.
+    ``seen`` is this machine's record (``SeenRecord.load``): path -> the newest verified
+    superblock read there; it stands in for a rolled-back device and, with ``torn_ok``,
+    for a torn one (see the module docstring).
 
     Raises:
         DeviceMismatch: a device is unreadable, of another store, its copies all fail (torn,
-            forged, other key), devices disagree on the store's shape, one is missing or
-            twice, or the membership is older than ``min_gen`` (replayed).
+            forged, other key) and no record stands in, devices disagree on the store's shape,
+            one is missing or twice, or the membership is older than ``min_gen`` (replayed)
+            and no record covers it.
     """
     found: dict[int, Superblock] = {}
     where: dict[int, str] = {}
     refused: list[str] = []
+    torn: list[int] = []
+    rolled: list[int] = []
+    seen = dict(seen or {})
+    if admin_key is not None:  # the record is trusted only as far as its signatures
+        seen = {p: sb for p, sb in seen.items() if signed_by(sb, admin_key)
+                and (store_uuid is None or sb.store_uuid == store_uuid)}
     for p in paths:
         copies = read_copies(p)
-        valid = valid_copies(p, copies)
-        if store_uuid is None:
-            store_uuid = max(valid, key=lambda s: s.generation).store_uuid
-        mine = [c for c in valid if c.store_uuid == store_uuid]
-        if not mine:
-            other = valid[0]
-            raise DeviceMismatch(f"device {p} belongs to store {other.store_name!r} ({other.store_uuid.hex()}), "
-                                 "not this one: check the device list")
-        if admin_key is None:  # first use: the key of the newest copy that verifies under its own key
-            selfsigned = [c for c in mine if signed_by(c, c.admin_key)] or mine
-            admin_key = max(selfsigned, key=lambda s: s.generation).admin_key
-        key = admin_key
-        good = []
-        for c in mine:
-            if signed_by(c, key):
-                good.append(c)
-            else:
-                refused.append(f"device {p}: a superblock copy (generation {c.generation}) is not signed by the "
-                               f"store's administrator key {fingerprint(key)[:16]}...: refused")
-        for bad in copies:
-            if isinstance(bad, CorruptPage):
-                refused.append(f"device {p}: a superblock copy is unreadable ({bad})")
-        if not good:
-            raise DeviceMismatch(f"device {p}: no superblock copy is signed by the store's administrator key "
-                                 f"{fingerprint(key)[:16]}... (a forged or foreign membership is refused)")
+        rec = seen.get(p)
+        try:
+            valid = valid_copies(p, copies)
+            if store_uuid is None:
+                store_uuid = max(valid, key=lambda s: s.generation).store_uuid
+            mine = [c for c in valid if c.store_uuid == store_uuid]
+            if not mine:
+                other = valid[0]
+                raise DeviceMismatch(f"device {p} belongs to store {other.store_name!r} "
+                                     f"({other.store_uuid.hex()}), not this one: check the device list")
+            if admin_key is None:  # first use: the key of the newest copy that verifies under its own key
+                selfsigned = [c for c in mine if signed_by(c, c.admin_key)] or mine
+                admin_key = max(selfsigned, key=lambda s: s.generation).admin_key
+            key = admin_key
+            good = []
+            for c in mine:
+                if signed_by(c, key):
+                    good.append(c)
+                else:
+                    refused.append(f"device {p}: a superblock copy (generation {c.generation}) is not signed by "
+                                   f"the store's administrator key {fingerprint(key)[:16]}...: refused")
+            for bad in copies:
+                if isinstance(bad, CorruptPage):
+                    refused.append(f"device {p}: a superblock copy is unreadable ({bad})")
+            if not good:
+                raise DeviceMismatch(f"device {p}: no superblock copy is signed by the store's administrator key "
+                                     f"{fingerprint(key)[:16]}... (a forged or foreign membership is refused)")
+        except DeviceMismatch as e:
+            # no copy verifies (torn or forged): this machine's record stands in where allowed,
+            # if the blocks still name that device of the store (not another device at this path)
+            uuid = rec.store_uuid if rec is not None else store_uuid
+            ours = uuid is not None and names_device(p, uuid, rec.device_index if rec is not None else None)
+            if not ours:
+                raise
+            if rec is None or not torn_ok:
+                name = rec.store_name if rec is not None else "STORE"
+                raise DeviceMismatch(f"{e}; the administrator's 'mass-ctl kvcache repair {name}' rewrites it from "
+                                     "the last membership verified there") from None
+            refused.append(f"device {p}: no superblock copy verifies ({e}); read from this machine's record "
+                           "(the next allow/deny, or 'repair', rewrites it)")
+            found[rec.device_index], where[rec.device_index] = rec, p
+            torn.append(rec.device_index)
+            continue
         sb = max(good, key=lambda s: s.generation)
+        if rec is not None and rec.membership_gen > sb.membership_gen and _same_layout(rec, sb):
+            refused.append(f"device {p}: its membership (generation {sb.membership_gen}) is older than the one "
+                           f"this machine has seen there ({rec.membership_gen}): a replayed or restored superblock, "
+                           "read as seen (the administrator's 'repair' rewrites it)")
+            sb = rec
+            rolled.append(sb.device_index)
         if sb.device_index in found:
             raise DeviceMismatch(f"device {p} is device {sb.device_index} of the store, like another path given")
         if device_size(p) < sb.device_size:
@@ -210,22 +267,102 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
         raise DeviceMismatch(f"the devices' membership (generation {gen}) is older than one this machine has "
                              f"seen ({min_gen}): a replayed superblock is refused")
     lagging = tuple(s.device_index for s in sbs if s.membership_gen < gen)
-    return Membership(sbs, tuple(where[i] for i in range(len(sbs))), gen, lagging, tuple(refused))
+    return Membership(sbs, tuple(where[i] for i in range(len(sbs))), gen, lagging, tuple(refused),
+                      tuple(sorted(torn)), tuple(sorted(rolled)))
+
+
+def _same_layout(a: Superblock, b: Superblock) -> bool:
+    return (a.store_uuid, a.device_index, a.device_count, a.page_size, a.salt, a.device_size,
+            [(x.offset, x.slot_count) for x in a.areas]) == \
+        (b.store_uuid, b.device_index, b.device_count, b.page_size, b.salt, b.device_size,
+         [(x.offset, x.slot_count) for x in b.areas])
+
+
+def names_device(path: str, store_uuid: bytes, device_index: int | None) -> bool:
+    """Does a copy of ``path``'s superblock, checksum or not, still carry the magic, ``store_uuid``
+    and ``device_index`` (any index: ``None``), i.e. is it a torn block, not another device?"""
+    fd = open_direct(path, writable=False)
+    buf = mmap.mmap(-1, SUPERBLOCK_SIZE)
+    try:
+        for off in COPY_OFFSETS:
+            n = os.preadv(fd, [buf], off)
+            if n >= 68 and buf[:8] == MAGIC and buf[16:32] == store_uuid \
+                    and device_index in (None, struct.unpack_from("<I", buf, 64)[0]):
+                return True
+        return False
+    finally:
+        buf.close()
+        os.close(fd)
+
+
+class SeenRecord:
+    """This machine's record of the newest verified superblock of each device of one store
+    (``MASS_HOME/stores/<store>.membership``): the device path and its 8192-byte block,
+    one after another. Written atomically when a read finds something newer; read back
+    only through ``read_membership``, which checks each block's checksum and signature."""
+
+    HEAD = struct.Struct("<H")  # path length; the path (utf-8); then the block
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, Superblock]:
+        """Path -> superblock; empty when there is no record or it does not parse."""
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            return {}
+        out: dict[str, Superblock] = {}
+        off = 0
+        try:
+            while off < len(data):
+                (n,) = self.HEAD.unpack_from(data, off)
+                p = data[off + 2:off + 2 + n].decode()
+                off += 2 + n
+                out[p] = Superblock.decode(data[off:off + SUPERBLOCK_SIZE])
+                off += SUPERBLOCK_SIZE
+        except (struct.error, UnicodeDecodeError, CorruptPage):
+            return {}
+        return out
+
+    def note(self, m: Membership) -> None:
+        """Record ``m``'s superblocks if any is newer than the record's (best effort: a reader
+        without write access to MASS_HOME records nothing)."""
+        old = self.load()
+        if all(p in old and old[p].generation >= sb.generation and old[p].membership_gen >= sb.membership_gen
+               for p, sb in zip(m.paths, m.sbs)):
+            return
+        blob = b"".join(self.HEAD.pack(len(p.encode())) + p.encode() + sb.encode() for p, sb in zip(m.paths, m.sbs))
+        tmp = self.path.with_suffix(f".membership.{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self.path)
+        except OSError:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
 
 
 def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKey,
-                      change: Callable[[list[Area]], list[Area]]) -> Membership:
+                      change: Callable[[list[Area]], list[Area]],
+                      seen: Mapping[str, Superblock] | None = None) -> Membership:
     """Apply ``change`` to the newest area table and write it, signed, to every device with
-    the next ``membership_gen`` (lagging devices are brought up to date by the same write).
+    the next ``membership_gen`` (lagging, torn and rolled-back devices are rewritten by the
+    same write; ``seen`` is this machine's record, see ``read_membership``), then read it
+    back: a change another administrator wrote at the same time is an error, never a
+    silent loss.
 
     ``change`` gets and returns the list of areas with the newest membership's names,
     keys, addresses and flags; offsets and slot counts stay each device's own.
 
     Raises:
-        DeviceMismatch: as ``read_membership``.
+        DeviceMismatch: as ``read_membership``, or the devices did not keep what was written.
         ValueError: ``change`` resized or moved an area.
     """
-    cur = read_membership(paths, store_uuid=store_uuid, admin_key=admin.public)
+    cur = read_membership(paths, store_uuid=store_uuid, admin_key=admin.public, seen=seen, torn_ok=True)
     gen = cur.gen + 1
     before = list(cur.newest.areas)
     after = change(list(before))
@@ -233,16 +370,25 @@ def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKe
                                         for a, b in zip(after, before)):
         raise ValueError("a membership change may not add, move or resize areas")
     after = [dataclasses.replace(a, changed_gen=gen) if _ident(a) != _ident(b) else a for a, b in zip(after, before)]
+    written = []
     for path, sb in zip(cur.paths, cur.sbs):
         areas = tuple(dataclasses.replace(mine, server=a.server, flags=a.flags, public_key=a.public_key, sync=a.sync,
                                           changed_gen=a.changed_gen) for mine, a in zip(sb.areas, after))
         new = admin.sign(dataclasses.replace(sb, generation=sb.generation + 1, membership_gen=gen, areas=areas))
         write_superblock(path, new)
-    return read_membership(paths, store_uuid=store_uuid, admin_key=admin.public, min_gen=gen)
+        written.append(new)
+    got = read_membership(paths, store_uuid=store_uuid, admin_key=admin.public, min_gen=gen)
+    lost = [p for p, w, g in zip(cur.paths, written, got.sbs) if g.encode() != w.encode()]
+    if lost:
+        raise DeviceMismatch(f"another membership change was written at the same time (device(s) {', '.join(lost)} "
+                             f"hold generation {max(g.membership_gen for g in got.sbs)}, not this one's): check with "
+                             "'mass-ctl kvcache show' and run the change again")
+    return got
 
 
 def _ident(a: Area) -> tuple[str, int, bytes, str]:
     return a.server, a.flags, a.public_key, a.sync
 
 
-__all__ = ["AdminKey", "Member", "Membership", "change_membership", "fingerprint", "read_membership", "signed_by"]
+__all__ = ["AdminKey", "Member", "Membership", "SeenRecord", "change_membership", "fingerprint", "names_device",
+           "read_membership", "signed_by"]

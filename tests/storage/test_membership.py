@@ -133,3 +133,69 @@ def test_devices_of_another_store_or_missing_ones_are_named(tmp_path: Path) -> N
         read_membership(paths, store_uuid=uuid.uuid4().bytes, admin_key=admin.public)
     with pytest.raises(DeviceMismatch, match="like another path"):
         read_membership([paths[0], paths[0]], store_uuid=U, admin_key=admin.public)
+
+
+def test_the_record_stands_in_for_rolled_back_and_torn_devices_only_where_it_may(tmp_path: Path) -> None:
+    from kvstore.storage.membership import SeenRecord
+
+    admin, mallory = AdminKey.generate(), AdminKey.generate()
+    paths = store(tmp_path, admin)
+    old = [read_superblock(p) for p in paths]
+    record = SeenRecord(tmp_path / "s.membership")
+    m2 = change_membership(paths, store_uuid=U, admin=admin, change=allow_c)
+    record.note(m2)
+    assert set(record.load()) == set(paths) and all(sb.membership_gen == 2 for sb in record.load().values())
+    for p, sb in zip(paths, old):  # replayed
+        write_superblock(p, sb)
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public, min_gen=2, seen=record.load())
+    assert m.gen == 2 and m.rolled_back == (0, 1) and [x.name for x in m.members] == ["a", "b", "c"]
+    assert m.damaged == (0, 1) and any("replayed or restored" in r for r in m.refused)
+    # a record signed by another key counts for nothing
+    forged = {p: mallory.sign(sb) for p, sb in record.load().items()}
+    with pytest.raises(DeviceMismatch, match="older than one this machine has seen"):
+        read_membership(paths, store_uuid=U, admin_key=admin.public, min_gen=2, seen=forged)
+    # torn: only with torn_ok (the administrator's commands), and only while the blocks name the device
+    change_membership(paths, store_uuid=U, admin=admin, change=lambda a: a, seen=record.load())
+    with open(paths[1], "r+b") as f:
+        for off in COPY_OFFSETS:
+            f.seek(off + 300)
+            f.write(b"\xff")
+    with pytest.raises(DeviceMismatch, match="checksum mismatch.*repair s"):
+        read_membership(paths, store_uuid=U, admin_key=admin.public, seen=record.load())
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public, seen=record.load(), torn_ok=True)
+    assert m.torn == (1,) and [x.name for x in m.members] == ["a", "b", "c"]
+    m = change_membership(paths, store_uuid=U, admin=admin, change=lambda a: a, seen=record.load())
+    assert not m.damaged and m.gen == 4
+    with open(paths[1], "r+b") as f:  # another device at that path
+        f.write(bytes(16384))
+    with pytest.raises(DeviceMismatch, match="not formatted for kvstore"):
+        read_membership(paths, store_uuid=U, admin_key=admin.public, seen=record.load(), torn_ok=True)
+    # a record that does not parse is no record
+    (tmp_path / "s.membership").write_bytes(b"\x05\x00abc")
+    assert record.load() == {}
+
+
+def test_a_change_written_over_by_another_at_the_same_time_is_an_error(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two administrators' writes interleave device by device: the one whose write did not stick
+    on every device says so (before: both reported success and one change was lost)."""
+    import kvstore.storage.membership as mod
+
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin)
+    real = mod.write_superblock
+    calls = []
+
+    def interleaved(path: str, sb: object) -> None:
+        real(path, sb)  # type: ignore[arg-type]
+        calls.append(path)
+        if len(calls) == 1:  # the other administrator writes both devices between our two writes
+            monkeypatch.setattr(mod, "write_superblock", real)
+            change_membership(paths, store_uuid=U, admin=admin,
+                              change=lambda a: [dataclasses.replace(a[1], flags=AREA_DENIED, public_key=b"")
+                                                if i == 1 else x for i, x in enumerate(a)])
+            monkeypatch.setattr(mod, "write_superblock", interleaved)
+
+    monkeypatch.setattr(mod, "write_superblock", interleaved)
+    with pytest.raises(DeviceMismatch, match="another membership change was written at the same time"):
+        change_membership(paths, store_uuid=U, admin=admin, change=allow_c)
