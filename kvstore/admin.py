@@ -82,6 +82,76 @@ def check_public_key(pub: str, server: str) -> bytes:
     return bytes(raw)
 
 
+@dataclass(frozen=True)
+class Claims:
+    """What one allowed server takes: its sync PORT and PORT+1, its events PORT and PORT+1,
+    its metrics PORT (all on their hosts), and its public key."""
+
+    name: str
+    sync: str = ""
+    public_key: str = ""
+    events: str = ""
+    metrics: str = ""
+
+    def ports(self) -> list[tuple[str, int, str]]:
+        """(host, port, what) of every port this server listens on."""
+        out = []
+        for what, addr, n in (("sync", self.sync, 2), ("events", self.events, 2), ("metrics", self.metrics, 1)):
+            if addr:
+                host, _, port = addr.rpartition(":")
+                out += [(host.lower(), int(port) + k, f"{what} address {addr}" + (" (PORT+1)" if k else ""))
+                        for k in range(n)]
+        return out
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]")
+
+
+def check_collisions(servers: Sequence[Claims]) -> None:
+    """Refuse two allowed servers (or two addresses of one) that would listen on one port of
+    one host, or share a public key, naming both parties.
+
+    Raises:
+        ValueError: the first collision found.
+    """
+    taken: list[tuple[str, int, str, str]] = []  # host, port, server, what
+    keys: dict[str, str] = {}
+    for sv in servers:
+        if sv.public_key:
+            if sv.public_key in keys:
+                raise ValueError(f"server {sv.name}'s public key is server {keys[sv.public_key]}'s too: each "
+                                 "server needs its own keypair ('mass-ctl kvcache keygen' on that server)")
+            keys[sv.public_key] = sv.name
+        for host, port, what in sv.ports():
+            for h, p, name, w in taken:
+                if p == port and (h == host or h in WILDCARD_HOSTS or host in WILDCARD_HOSTS):
+                    raise ValueError(f"server {sv.name}'s {what} takes port {port} of {host}, which server "
+                                     f"{name}'s {w} takes too (a sync or events address uses PORT and PORT+1)")
+            taken.append((host, port, sv.name, what))
+
+
+def claims_of(sv: ServerConfig) -> Claims:
+    """What an allowed server of a composed store takes."""
+    return Claims(sv.name, sv.sync, sv.public_key, sv.events, sv.metrics)
+
+
+def ephemeral_warnings(servers: Sequence[Claims]) -> list[str]:
+    """Sync ports inside this machine's ``net.ipv4.ip_local_port_range``: any outgoing connection
+    may hold such a port when the service wants to bind it (a warning: the range is per machine)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for sv in servers:
+        for _host, port, what in sv.ports():
+            if lo <= port <= hi and what.startswith("sync"):
+                out.append(f"server {sv.name}'s {what}: port {port} lies in this machine's ephemeral range "
+                           f"{lo}-{hi} (net.ipv4.ip_local_port_range), where an outgoing connection can hold "
+                           "it; pick a port below it")
+    return out
+
+
 def _area_of(spec: ServerSpec) -> Area:
     return Area(spec.name, 0, 0, 0, check_public_key(spec.public_key, spec.name), spec.sync)
 
@@ -107,8 +177,13 @@ def create_store(home: Path, name: str, devices: Sequence[str], page_size: int, 
 
     check_name(name, "store")
     devices = [os.path.abspath(d) for d in devices]  # the config is read from any working directory
-    slots = sum(a.slot_count for d in devices
-                for a in plan_areas(device_size(d), page_size, [s.name for s in servers], areas, area_slots))
+    slots = 0
+    for d in devices:
+        try:
+            slots += sum(a.slot_count for a in plan_areas(device_size(d), page_size, [s.name for s in servers],
+                                                          areas, area_slots))
+        except ValueError as e:
+            raise ValueError(f"{d}: {e}") from None
     if slots > MAX_SLOTS:  # checked before any device is formatted
         raise ValueError(f"the devices hold {slots} slots of {page_size} bytes; a store holds at most "
                          f"{MAX_SLOTS} (the key index's limit): use larger pages or fewer devices")
@@ -124,6 +199,8 @@ def create_store(home: Path, name: str, devices: Sequence[str], page_size: int, 
                         service=service or ServiceConfig(), worker=worker or WorkerConfig(), sync=sync or SyncConfig())
     # validates the whole (names unique, sync addresses where several servers) before anything is written
     local.compose(page_size, salt, [(s.name, s.sync, s.public_key, False) for s in servers], 1)
+    check_collisions([Claims(s.name, s.sync, s.public_key, events.get(s.name, ""), metrics.get(s.name, ""))
+                      for s in servers])
     made = []
     specs = []
     for s in servers:
@@ -209,6 +286,11 @@ def _allow(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str | None 
             f"store {cfg.name!r} has no spare area: its {len(m.newest.areas)} area(s) per device are all "
             f"assigned. Give it the area of a denied server (--reuse NAME), or recreate the store with "
             f"--area-size or --spare to leave room for more servers")
+    # nothing the new entry listens on or holds may be another allowed server's (its own old
+    # entry, replaced here, does not count)
+    check_collisions([claims_of(sv) for i, sv in enumerate(cfg.servers) if i != index and not sv.denied]
+                     + [Claims(name, sync, spec.public_key, events or (cfg.servers[index].events if index < len(
+                         cfg.servers) and cfg.servers[index].name == name else ""), metrics)])
     made = not spec.public_key
     pub = spec.public_key or create_keypair(cfg.name, name, home)
 
@@ -382,5 +464,5 @@ def join_store(home: Path, name: str, devices: Sequence[str], admin_key: str | N
     return local, m, not (old and old.admin_key) and pinned is None
 
 
-__all__ = ["ServerSpec", "admin_lock", "allow_server", "check_public_key", "create_store", "deny_server",
+__all__ = ["Claims", "ServerSpec", "admin_lock", "check_collisions", "claims_of", "ephemeral_warnings", "allow_server", "check_public_key", "create_store", "deny_server",
            "find_devices", "join_store", "repair_store"]

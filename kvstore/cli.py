@@ -43,10 +43,8 @@ def _err(msg: str) -> None:
 
 
 def cmd_create(a: argparse.Namespace) -> int:
-    from .admin import ServerSpec, create_store
-    from .storage.device import device_size
-    from .storage.membership import fingerprint
-    from .storage.superblock import BLOCK, MAX_AREAS, areas_that_fit
+    from .admin import ServerSpec
+    from .storage.superblock import BLOCK, MAX_AREAS
 
     home = mass_home()
     check_name(a.store, "store")
@@ -66,12 +64,42 @@ def cmd_create(a: argparse.Namespace) -> int:
         if area_slots < 1:
             raise ValueError(f"--area-size {a.area_size} holds no slot of {format_size(BLOCK + page_size)} "
                              "(a page plus its 4 KiB header)")
+    made: list[str] = []  # files this command created: a refused create removes them again
+    rc = EXIT_FAIL
+    try:
+        rc = _create(a, home, page_size, specs, events, area_slots, made)
+        return rc
+    finally:
+        if rc != EXIT_OK:
+            for d in made:
+                try:
+                    os.unlink(d)
+                except OSError:
+                    pass
+
+
+def _create(a: argparse.Namespace, home: Path, page_size: int, specs: list[Any], events: dict[str, str],
+            area_slots: int | None, made: list[str]) -> int:
+    from .admin import create_store
+    from .storage.device import device_size
+    from .storage.membership import fingerprint
+    from .storage.superblock import areas_that_fit
+
+    seen: dict[str, str] = {}
+    for d in a.device:
+        real = os.path.realpath(d)
+        if real in seen:
+            raise ValueError(f"device {d} is given twice" + (f" (as {seen[real]} too)" if seen[real] != d else ""))
+        seen[real] = d
+        if os.path.isdir(d):
+            raise ValueError(f"device {d} is a directory: give a block device or a file")
     for d in a.device:
         if not os.path.exists(d):
             if a.device_size is None:
                 _err(f"device {d} does not exist; pass --device-size SIZE to create it as a plain file")
                 return EXIT_USAGE
             with open(d, "wb") as f:
+                made.append(d)
                 f.truncate(parse_size(a.device_size, name="--device-size"))
     sizes = [device_size(d) for d in a.device]
     n_areas = len(specs) + (a.spare or 0)
@@ -86,6 +114,7 @@ def cmd_create(a: argparse.Namespace) -> int:
                              f"only {fit} area(s)")
     cfg, sbs, made = create_store(home, a.store, a.device, page_size, specs, events=events, force=a.force,
                                   areas=n_areas, area_slots=area_slots)
+    _warn_ports([s.name for s in cfg.servers], cfg)
     for d, sb in zip(a.device, sbs):
         per = sb.areas[0].slot_count
         spare = sum(1 for x in sb.areas if x.spare)
@@ -148,6 +177,13 @@ def _pick_server(cfg: StoreConfig, name: str | None, home: Path | None = None) -
                      "NAME=HOST:PORT --key=PUBLIC'")
 
 
+def _warn_ports(names: list[str], cfg: StoreConfig) -> None:
+    from .admin import claims_of, ephemeral_warnings
+
+    for w in ephemeral_warnings([claims_of(s) for s in cfg.servers if s.name in names]):
+        print(f"mass-ctl: warning: {w}", file=sys.stderr)
+
+
 def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> bool:
     """SIGHUP this machine's services of ``cfg`` (they re-read the superblocks now instead of at
     their next poll), wait until each runs with membership ``generation`` (a denied server's
@@ -189,6 +225,7 @@ def cmd_allow(a: argparse.Namespace) -> int:
                                     update=a.update)
     print(f"{'updated' if a.update else 'allowed'} server {spec.name} on store {cfg.name}: area {index} on "
           f"{len(cfg.devices)} device(s), membership generation {new.membership_gen}")
+    _warn_ports([spec.name], new)
     late = _tell_running(new, home, new.membership_gen, a.timeout)
     if a.update:
         return EXIT_FAIL if late else EXIT_OK
@@ -268,7 +305,7 @@ def cmd_connect(a: argparse.Namespace) -> int:
             print(f"trusting the administrator key of store {a.store}: {fingerprint(m.admin_key)} (pinned in "
                   f"{store_path(a.store, home)}; check it against 'mass-ctl kvcache show {a.store}' on the "
                   "administrator's machine)", flush=True)
-    if a.metrics or a.events:
+    if a.metrics is not None or a.events is not None:
         _set_hosted(home, a.store, a.server, a.metrics, a.events)
     cfg = load_store(a.store, home)
     server = _pick_server(cfg, a.server, home)
@@ -331,18 +368,20 @@ def _last_error(logp: Path, since: int) -> str:
 
 
 def _set_hosted(home: Path, store: str, server: str | None, metrics: str | None, events: str | None) -> None:
-    """Record this host's metrics/events addresses of a server in its own config."""
+    """Record this host's metrics/events addresses of a server in its own config ('' removes one)."""
     from .config import load_local
 
     cfg = load_store(store, home)
     name = _pick_server(cfg, server, home)
     local = load_local(store, home)
     h = dict(local.hosted.get(name, {}))
-    if metrics:
-        h["metrics"] = check_address(metrics, "--metrics", 65535)
-    if events:
-        h["events"] = check_address(events, "--events")
-    save_store(dataclasses.replace(local, hosted={**local.hosted, name: h}), home)
+    for what, value, max_port in (("metrics", metrics, 65535), ("events", events, 65534)):
+        if value:
+            h[what] = check_address(value, f"--{what}", max_port)
+        elif value is not None:  # --metrics '': off
+            h.pop(what, None)
+    hosted = {**local.hosted, name: h}
+    save_store(dataclasses.replace(local, hosted={n: x for n, x in hosted.items() if x}), home)
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -703,9 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", metavar="NAME",
                    help="server name (default: the allowed server whose public key a key file here holds)")
     c.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here (saved in this "
-                   "machine's config)")
+                   "machine's config; --metrics '' turns it off)")
     c.add_argument("--events", metavar="HOST:PORT", help="publish vLLM-format KV events here (saved in this "
-                   "machine's config)")
+                   "machine's config; --events '' turns it off)")
     c.add_argument("--daemon", action="store_true",
                    help="run in the background (log and pid file in MASS_HOME/run/STORE/); stop with disconnect")
     c.set_defaults(fn=cmd_connect)
@@ -775,6 +814,10 @@ def main(argv: list[str] | None = None) -> int:
         _err(str(e))
         return EXIT_FAIL
     except KeyboardInterrupt:
+        return EXIT_FAIL
+    except BrokenPipeError:  # `mass-ctl ... | head`: the reader has gone; no traceback, nothing more to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return EXIT_FAIL
 
 

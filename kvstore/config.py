@@ -267,15 +267,17 @@ class StoreConfig:
         check_page_size(self.page_size)
         if not self.devices:
             raise ValueError("a store needs at least one device (--device PATH)")
-        if len(set(self.devices)) != len(self.devices):
-            raise ValueError("the same device is listed twice")
+        twice = sorted({d for d in self.devices if self.devices.count(d) > 1})
+        if twice:
+            raise ValueError(f"device(s) {', '.join(twice)} listed twice")
         if not self.servers:
             raise ValueError("a store needs at least one server (--server NAME)")
         if len(self.servers) > MAX_SERVERS:
             raise ValueError(f"at most {MAX_SERVERS} servers per store, got {len(self.servers)}")
         names = [s.name for s in self.servers]
-        if len(set(names)) != len(names):
-            raise ValueError("a server name is listed twice")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"server name(s) {', '.join(twice)} listed twice")
         if all(s.denied for s in self.servers):
             raise ValueError("every server of the store is denied: at least one must stay allowed")
         if len(self.servers) > 1:

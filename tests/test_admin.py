@@ -95,6 +95,73 @@ def test_create_refuses_more_slots_than_the_key_index_holds_before_formatting(
                  "--server", "a=127.0.0.1:7000"]) != 0
     err = capsys.readouterr().err
     assert "a store holds at most 100" in err and "use larger pages" in err
-    assert dev.read_bytes().count(0) == dev.stat().st_size  # nothing written
+    assert not dev.exists()  # the file the refused create made is gone again
+    with open(dev, "wb") as f:  # a device that was there stays, unwritten
+        f.truncate(16 << 20)
+    assert main(["kvcache", "create", "s", "--device", str(dev), "--page-size", "64KiB",
+                 "--server", "a=127.0.0.1:7000"]) != 0
+    assert dev.read_bytes().count(0) == dev.stat().st_size
     with pytest.raises(ValueError, match="exceed the key index's limit"):
         kvstore.shm.index.index_capacity(101)
+
+
+def test_collisions_are_refused_naming_both_parties(home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Two servers on one port of one host (PORT+1 of a sync or events address included), or one
+    public key for two servers, are refused at create and allow; nothing is written. A sync port in
+    the kernel's ephemeral range is allowed with a warning."""
+    from kvstore.config import load_store
+
+    monkeypatch.setenv("MASS_HOME", str(home))
+    pa, pb = zmq.curve_keypair()[0].decode(), zmq.curve_keypair()[0].decode()
+    dev = str(home / "d.img")
+    base = ["kvcache", "create", "s", "--device", dev, "--device-size", "16MiB", "--page-size", "64KiB"]
+    for servers, extra, msg in [
+            ([f"a=127.0.0.1:7000:{pa}", f"b=127.0.0.1:7000:{pb}"], [], "server b's sync address 127.0.0.1:7000 "
+             "takes port 7000 of 127.0.0.1, which server a's sync address 127.0.0.1:7000 takes too"),
+            ([f"a=127.0.0.1:7000:{pa}", f"b=127.0.0.1:7001:{pb}"], [], "which server a's sync address "
+             "127.0.0.1:7000 (PORT+1) takes too"),
+            ([f"a=0.0.0.0:7000:{pa}", f"b=127.0.0.1:7001:{pb}"], [], "takes port 7001"),
+            ([f"a=127.0.0.1:7000:{pa}", f"b=127.0.0.1:7002:{pa}"], [], "server b's public key is server a's too"),
+            ([f"a=127.0.0.1:7000:{pa}", f"b=127.0.0.1:7002:{pb}"], ["--events", "b=127.0.0.1:6999"],
+             "server b's events address 127.0.0.1:6999 (PORT+1) takes port 7000")]:
+        assert main(base + [x for s in servers for x in ("--server", s)] + extra) == 2
+        assert msg in capsys.readouterr().err
+        assert not (home / "stores" / "s.toml").exists()
+    # other hosts may use the same ports
+    assert main(base + ["--server", f"a=10.0.0.1:7000:{pa}", "--server", f"b=10.0.0.2:7000:{pb}", "--spare",
+                        "2"]) == 0
+    capsys.readouterr()
+    pc = zmq.curve_keypair()[0].decode()
+    for spec, key, msg in [("c=10.0.0.1:7001", pc, "server c's sync address 10.0.0.1:7001 takes port 7001 of "
+                            "10.0.0.1, which server a's sync address 10.0.0.1:7000 (PORT+1) takes too"),
+                           ("c=10.0.0.3:7000", pa, "server c's public key is server a's too")]:
+        assert main(["kvcache", "allow", "s", spec, f"--key={key}"]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["kvcache", "allow", "s", "a=10.0.0.2:6999", "--update"]) == 2  # its own update, onto b's port
+    assert "takes port 7000 of 10.0.0.2, which server b's" in capsys.readouterr().err
+    assert [x.name for x in load_store("s", home).servers] == ["a", "b"]
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert main(["kvcache", "allow", "s", f"c=10.0.0.3:{lo + 10}", f"--key={pc}"]) == 0
+    assert f"server c's sync address 10.0.0.3:{lo + 10}: port {lo + 10} lies in this machine's ephemeral " \
+           "range" in capsys.readouterr().err
+
+
+def test_create_mistakes_name_the_item(home: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MASS_HOME", str(home))
+    home.mkdir(parents=True, exist_ok=True)
+    dev = str(home / "d.img")
+    base = ["kvcache", "create", "s", "--page-size", "64KiB"]
+    for args, msg in [
+            (["--device", dev, "--device", dev, "--device-size", "16MiB", "--server", "a"],
+             f"device {dev} is given twice"),
+            (["--device", dev, "--device-size", "16MiB", "--server", "a=127.0.0.1:7000", "--server",
+              "a=127.0.0.1:7002"], "server name(s) a listed twice"),
+            (["--device", dev, "--device-size", "1MiB", "--server", "a"], f"{dev}: device of 1048576 bytes is too small"),
+            (["--device", str(home), "--server", "a"], f"device {home} is a directory"),
+            (["--device", "/dev/null", "--server", "a"], "device /dev/null is neither a block device nor a regular file")]:
+        assert main(base + args) in (2, 4), args
+        assert msg in capsys.readouterr().err, args
+        assert not Path(dev).exists()  # nothing left behind
+    assert not (home / "stores" / "s.toml").exists()

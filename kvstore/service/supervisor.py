@@ -643,7 +643,8 @@ def _binding(what: str, address: str, server: str) -> Iterator[None]:
         raise AddressUnavailable(
             f"server {server}: {what} address {address} cannot be bound: {reason} (another process holds it, "
             "an outgoing connection took it when it lies in net.ipv4.ip_local_port_range, or the host is "
-            f"not this machine's); give another with 'mass-ctl kvcache connect STORE --{what} HOST:PORT'") from e
+            f"not this machine's); give another with 'mass-ctl kvcache connect STORE --{what} HOST:PORT', or turn "
+            f"it off with --{what} ''") from e
 
 
 def serve(cfg: StoreConfig, server: str, home: Path | None = None) -> None:

@@ -90,6 +90,17 @@ def test_an_address_held_by_another_socket_fails_the_start_in_one_line(home: Pat
     assert svc.proc.returncode not in (None, 0)
     assert not svc.leftovers()
     assert wait_for(lambda: not _processes_of(home)), _processes_of(home)  # its workers went with it
+    # the saved setting is corrected from the command line: --what '' turns it off, and the start works
+    assert f"--{what} ''" in log
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        with ServiceProcess(home, "m", args=[f"--{what}", ""]) as svc2:
+            assert svc2.proc is not None and svc2.proc.poll() is None
+    assert svc2.proc.returncode == 0
+    from kvstore.config import load_local
+
+    assert "local" not in load_local("m", home).hosted
 
 
 def _processes_of(home: Path) -> list[int]:
