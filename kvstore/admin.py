@@ -389,13 +389,18 @@ def _admin(cfg: StoreConfig, home: Path) -> AdminKey:
     return admin
 
 
-def find_devices(given: Sequence[str], store_uuid: bytes, count: int) -> list[str]:
+def find_devices(given: Sequence[str], store_uuid: bytes) -> list[str]:
     """``given`` plus the store's other devices found beside them: for a block device, the
     other block devices of this machine (/proc/partitions); for a file, the files in its
-    directory. Only superblocks are read (8 KiB each, O_DIRECT)."""
+    directory. Only superblocks are read (8 KiB each, O_DIRECT).
+
+    Raises:
+        DeviceMismatch: two candidates (not given) claim one device index of the store: a copy of
+            a device, or one device seen through two paths (multipath, two controllers). Both are
+            named; the operator picks one with ``--device``.
+    """
     from .storage.device import read_superblock
 
-    found: dict[int, str] = {}
     candidates: list[str] = list(given)
     for g in given:
         try:
@@ -410,18 +415,30 @@ def find_devices(given: Sequence[str], store_uuid: bytes, count: int) -> list[st
             candidates += [f"/dev/{ln.split()[3]}" for ln in lines if len(ln.split()) == 4]
         elif stat.S_ISREG(mode):
             candidates += sorted(str(p) for p in Path(g).resolve().parent.iterdir() if p.is_file())
+    chosen: dict[int, str] = {}
+    claims: dict[int, list[str]] = {}
+    real_given = {os.path.realpath(g) for g in given}
+    seen: set[str] = set()
     for c in candidates:
-        if len(found) == count:
-            break
-        if c in found.values():
+        real = os.path.realpath(c)
+        if real in seen:
             continue
+        seen.add(real)
         try:
             sb = read_superblock(c)
         except (DeviceMismatch, OSError):
             continue
-        if sb.store_uuid == store_uuid and sb.device_index not in found:
-            found[sb.device_index] = c
-    return [found[i] for i in sorted(found)]
+        if sb.store_uuid != store_uuid:
+            continue
+        if real in real_given:
+            chosen[sb.device_index] = c  # the operator's pick
+        claims.setdefault(sb.device_index, []).append(c)
+    for i, paths in sorted(claims.items()):
+        if i not in chosen and len(paths) > 1:
+            raise DeviceMismatch(f"device {i} of the store is claimed by {' and '.join(paths)} (a copy of a device, "
+                                 "or one device seen through two paths): pass the right one with --device")
+        chosen.setdefault(i, paths[0])
+    return [chosen[i] for i in sorted(chosen)]
 
 
 def join_store(home: Path, name: str, devices: Sequence[str], admin_key: str | None = None) -> tuple[
@@ -445,7 +462,7 @@ def join_store(home: Path, name: str, devices: Sequence[str], admin_key: str | N
     first = read_superblock(devices[0])
     if first.store_name != name:
         raise DeviceMismatch(f"device {devices[0]} belongs to store {first.store_name!r}, not {name!r}")
-    paths = find_devices(devices, first.store_uuid, first.device_count) \
+    paths = find_devices(devices, first.store_uuid) \
         if len(devices) < first.device_count else list(devices)
     m = read_membership(paths, store_uuid=first.store_uuid, admin_key=pinned)
     try:

@@ -426,3 +426,29 @@ def test_administrators_at_once_lose_no_server(home: Path, file_devices: Any) ->
     assert sorted(s.name for s in m.servers) == sorted(["a"] + names)
     assert m.membership_gen == 7
     assert len({o.split("area ")[1].split()[0] for o, _ in outs}) == 6  # six different areas
+
+
+def test_two_candidates_for_one_device_are_named_and_refused(home: Path, file_devices: Any) -> None:
+    """A backup copy of device 1 beside it (or one device seen through two paths): joining with
+    device 0 alone names both candidates and refuses; naming the right one with --device works.
+    (Before: the backup was taken as device 1 without a word.)"""
+    import shutil
+
+    from kvstore.admin import join_store
+    from kvstore.errors import DeviceMismatch
+
+    devs = cluster(home, file_devices, ["a", "b"], spare=0)
+    backup = str(Path(devs[1]).parent / "a-backup-of-dev1.img")
+    shutil.copyfile(devs[1], backup)
+    host = home / "host-n"
+    r = ctl(host, "connect", "m", "--device", devs[0])
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert f"device 1 of the store is claimed by {backup} and {devs[1]}" in r.stderr
+    assert "pass the right one with --device" in r.stderr
+    assert not (host / "stores" / "m.toml").exists()
+    with pytest.raises(DeviceMismatch, match="claimed by"):
+        join_store(host, "m", [devs[0]])
+    local, m, _ = join_store(host, "m", [devs[0], devs[1]])
+    assert list(local.devices) == devs and m.paths == tuple(devs)
+    local, m, _ = join_store(host, "m", [devs[1], backup, devs[0]][1:])  # the backup, picked on purpose
+    assert list(local.devices) == [devs[0], backup]
