@@ -85,6 +85,10 @@ class AgentParams:
     request_timeout_s: float
     peers_board: str = ""
     """Shared-memory notice board where the agent publishes each peer's lag and its own warnings."""
+    start_seq: int = 0
+    """The supervisor's next delta sequence number when it spawned this agent: its heartbeats
+    announce at least this (an agent that replaced another after a membership change would
+    otherwise announce 0, and a peer that returned meanwhile would think it has everything)."""
     snapshot_from: tuple[int, ...] = ()
     """Areas of peers whose pages the supervisor forgot (denied, then allowed again): ask each
     for a snapshot at first contact, since its delta stream alone would not repeat them."""
@@ -136,7 +140,7 @@ class Agent:
         self.pending_seq = 0
         self.last_flush = time.monotonic()
         self.last_hb = 0.0
-        self.next_seq = 0  # after the last own delta we published
+        self.next_seq = p.start_seq  # after the last own delta published (by us or an agent before us)
         self.stop = False
         self.poller = zmq.Poller()
         for s in [self.router, *self.subs.values(), *self.dealers.values()]:
@@ -263,7 +267,7 @@ class Agent:
         regs = np.concatenate(self.pending)
         self.pub.send(encode("d", self.p.area, self.p.epoch, self.pending_seq, regs))
         self.stats.add("sync_records_sent", len(regs))
-        self.next_seq = self.pending_seq + len(regs)
+        self.next_seq = max(self.next_seq, self.pending_seq + len(regs))
         self.pending = []
         self.pending_n = 0
         self.last_flush = time.monotonic()

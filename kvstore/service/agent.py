@@ -76,7 +76,8 @@ class AgentProcess:
             sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=doorbell_name(self.prefix),
             flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
             heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s,
-            snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.prefix + "peers")
+            snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.prefix + "peers",
+            start_seq=self.sync.log.next)
         self.proc = self._mp.Process(target=agent_main, args=(params,), daemon=True,
                                      name=f"kvstore-sync-{cfg.name}")
         self.proc.start()

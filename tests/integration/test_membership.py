@@ -452,3 +452,34 @@ def test_two_candidates_for_one_device_are_named_and_refused(home: Path, file_de
     assert list(local.devices) == devs and m.paths == tuple(devs)
     local, m, _ = join_store(host, "m", [devs[1], backup, devs[0]][1:])  # the backup, picked on purpose
     assert list(local.devices) == [devs[0], backup]
+
+
+@pytest.mark.parametrize("change", ["deny-allow", "update-address"])
+def test_a_returning_server_catches_up_whatever_changed_meanwhile(home: Path, file_devices: Any, services: Any,
+                                                                  change: str) -> None:
+    """b is down while the membership changes (b denied and allowed again, or a's sync address
+    updated: a's sync agent is replaced either way); a saves pages meanwhile. Back, b reads every one
+    of them without a new save to prompt it, and a's heartbeats announce what a has. (Before: the new
+    agent announced sequence 0, b saw 0 of 20 for 45 s and status said '0 updates behind'.)"""
+    cluster(home, file_devices, ["a", "b"], spare=1)
+    sa, sb = services(home, "m", "a"), services(home, "m", "b")
+    assert put_pages(home, "a", keys_of("early", 5)).stored == 5
+    assert wait_for(lambda: visible(home, "b", keys_of("early", 5)) == 5)
+    assert sb.stop() == 0
+    assert put_pages(home, "a", keys_of("a", 20)).stored == 20
+    reloads = stats(sa).config_reloads
+    if change == "deny-allow":
+        assert ctl(home, "deny", "m", "b").returncode == 0
+        assert ctl(home, "allow", "m", "b").returncode == 0
+    else:
+        r = ctl(home, "allow", "m", f"a=127.0.0.1:{free_port_pair()}", "--update")
+        assert r.returncode == 0, r.stderr
+    assert stats(sa).config_reloads >= reloads + 1
+    sb2 = services(home, "m", "b")
+    assert wait_for(lambda: visible(home, "b", keys_of("a", 20)) == 20, timeout=30), \
+        visible(home, "b", keys_of("a", 20))
+    assert read_all(home, "b", keys_of("a", 20)) == (20, 0, 0)
+    src = LiveSource("m", home)
+    assert wait_for(lambda: (src.snapshot()["b"].get("peers") or {}).get("a", {}).get("behind") == 0
+                    and src.snapshot()["b"]["peers"]["a"]["heard_s"] is not None)
+    assert stats(sb2).validation_failures == 0
