@@ -404,7 +404,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def _status_once(a: argparse.Namespace) -> int:
-    from .tui.source import read_service
+    from .tui.source import read_service, with_remote
 
     from .config import compose_membership, load_local
 
@@ -427,11 +427,12 @@ def _status_once(a: argparse.Namespace) -> int:
         check_name(a.server, "server")
         if a.server not in names and not problems:
             raise NotAllowed(f"server {a.server!r} is not on store {a.store!r} ({', '.join(names)})")
-        names = [a.server]
+    # a server on another machine is seen through the local services' sync agents
+    every = with_remote({n: {"denied": n in denied, **read_service(home, local.name, n)}
+                         for n in dict.fromkeys(names + ([a.server] if a.server else []))})
     out: dict[str, Any] = {"store": local.name, "uuid": local.uuid, "page_size": page or None,
-                           "devices": list(local.devices), "problems": problems, "servers": {}}
-    for name in names:
-        out["servers"][name] = {"denied": name in denied, **read_service(home, local.name, name)}
+                           "devices": list(local.devices), "problems": problems,
+                           "servers": {n: e for n, e in every.items() if not a.server or n == a.server}}
     if a.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
@@ -442,7 +443,14 @@ def _status_once(a: argparse.Namespace) -> int:
         print(f"  PROBLEM: {pr}")
     for name, srv in out["servers"].items():
         if not srv["running"]:
-            print(f"server {name}: {'DENIED, ' if srv['denied'] else ''}not running")
+            r = srv.get("remote")
+            if srv["denied"]:
+                print(f"server {name}: DENIED, not running here")
+            elif r:
+                print(f"server {name}: not running here; heard {r['heard_s']:.1f} s ago by {r['by']}, "
+                      f"{r['behind']} updates behind")
+            else:
+                print(f"server {name}: not running here, and no service here hears it")
             continue
         sv = (srv.get("stats") or {}).get("service", {})
         gets = sv.get("hits", 0) + sv.get("misses", 0)
@@ -556,10 +564,14 @@ def cmd_show(a: argparse.Namespace) -> int:
                             f"machine has verified {cfg.membership_gen} (a replayed or restored superblock)")
         devices.append(e)
     mine = local_keys(cfg.name, home)
+    from .tui.source import read_service, with_remote
+
+    seen = with_remote({s.name: read_service(home, cfg.name, s.name) for s in cfg.servers})
     servers = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None,
                 "public_key": s.public_key or None, "events": s.events or None, "metrics": s.metrics or None,
                 "key_here": bool(s.public_key) and s.public_key.encode() in mine,
-                "running_pid": _running(cfg.name, s.name, home) or None} for i, s in enumerate(cfg.servers)]
+                "running_pid": _running(cfg.name, s.name, home) or None, "heard": seen[s.name].get("remote")}
+               for i, s in enumerate(cfg.servers)]
     out = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size, "admin_key": cfg.admin_key,
            "administered_here": admin_key_path(cfg.name, home).exists(),
            "membership_generation": cfg.membership_gen, "devices": devices, "servers": servers,
@@ -587,7 +599,9 @@ def cmd_show(a: argparse.Namespace) -> int:
             print(f"  device {e['index']}: {e['path']}  {format_size(e['size'])}, slots per area: {areas}{mark}{lag}")
     for s in servers:
         extra = "".join(f", {k} {s[k]}" for k in ("sync", "events", "metrics") if s[k])
-        state = f"running (pid {s['running_pid']})" if s["running_pid"] else "not running"
+        h = s["heard"]
+        state = f"running here (pid {s['running_pid']})" if s["running_pid"] else \
+            f"not running here, heard {h['heard_s']:.1f} s ago by {h['by']}" if h else "not running here"
         if s["denied"]:
             state = "DENIED, " + state
         key = f", key {s['public_key']}" if s["public_key"] else ""

@@ -16,12 +16,13 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Static
 
-from .source import StatsSource
+from .source import StatsSource, is_up, with_remote
 from .widgets.devices import DevicesTable
 from .widgets.servers import ServersTable
 from .widgets.sync import SyncTable
 from .widgets.trend import Trend
 from .widgets.warnings import WarningsPanel
+from .widgets.table import SnapshotTable
 
 HELP = """kvstore dashboard
 
@@ -101,15 +102,18 @@ class DashboardApp(App[None]):
         self._show(self._last)
 
     def _show(self, snap: dict[str, dict[str, Any]]) -> None:
+        snap = with_remote(snap)
         self.query_one(ServersTable).show(snap)
         self.query_one(DevicesTable).show(snap)
         self.query_one(Trend).show(snap)
         self.query_one(SyncTable).show(snap)
         self.query_one(WarningsPanel).show(snap)
-        up = sum(1 for e in snap.values() if e["running"])
+        up = sum(1 for e in snap.values() if is_up(e))
         state = "paused" if self.paused else "live"
+        hidden = sum(t.hidden for t in self.query(SnapshotTable))
+        more = f"  ·  {hidden} columns hidden" if hidden else ""
         self.query_one("#status", Static).update(
-            f"{up}/{len(snap)} servers up  ·  {state}  ·  updated {self.clock()}  ·  ? help")
+            f"{up}/{len(snap)} servers up  ·  {state}  ·  updated {self.clock()}{more}  ·  ? help")
 
     def action_pause(self) -> None:
         """Stop or resume the periodic refresh."""

@@ -57,6 +57,48 @@ def read_service(home: Path, store: str, server: str) -> dict[str, Any]:
     return entry
 
 
+HEARD_RECENTLY_S = 10.0
+"""A server not running here counts as up while a local service heard it within this long."""
+
+
+def with_remote(snap: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``snap`` with a ``remote`` entry for each server not running on this machine: how the
+    local services' sync agents last heard it (``heard_s``, ``behind``, ``by`` which local
+    server; the most recent), or ``None`` when none did. A server on another machine is
+    seen through its peers, not this machine's process table."""
+    out = {}
+    for name, e in snap.items():
+        e = dict(e)
+        if not e.get("running"):
+            best: dict[str, Any] | None = None
+            for other, o in snap.items():
+                lag = (o.get("peers") or {}).get(name) if o.get("running") else None
+                if lag and lag.get("heard_s") is not None and (best is None or lag["heard_s"] < best["heard_s"]):
+                    best = {"heard_s": lag["heard_s"], "behind": lag.get("behind", 0), "by": other}
+            e["remote"] = best
+        out[name] = e
+    return out
+
+
+def is_up(e: dict[str, Any]) -> bool:
+    """Running here, or heard by a local service within ``HEARD_RECENTLY_S``."""
+    r = e.get("remote")
+    return bool(e.get("running")) or bool(r and r["heard_s"] <= HEARD_RECENTLY_S)
+
+
+def state_of(e: dict[str, Any]) -> str:
+    """One word or phrase for a server's state, as the dashboard and status print it."""
+    if e.get("running"):
+        return f"up {e['pid']}" if e.get("stats") is not None else "starting"
+    if e.get("denied"):
+        return "denied"
+    r = e.get("remote")
+    if r:
+        return f"elsewhere, heard {r['heard_s']:.1f} s" if r["heard_s"] <= HEARD_RECENTLY_S else \
+            f"elsewhere, silent {r['heard_s']:.0f} s"
+    return "down"
+
+
 class LiveSource:
     """Reads the stats block and notice boards of every service of the store running on this machine."""
 
@@ -66,7 +108,7 @@ class LiveSource:
         self.store = store
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        return {s.name: read_service(self.home, self.store, s.name) for s in self.cfg.servers}
+        return {s.name: {**read_service(self.home, self.store, s.name), "denied": s.denied} for s in self.cfg.servers}
 
 
 class CannedSource:

@@ -132,6 +132,12 @@ def test_machines_join_and_leave_through_the_devices_alone(home: Path, file_devi
             assert wait_for(lambda: visible(h, reader, keys_of("c", 30)) == 30)
             assert read_all(h, reader, keys_of("c", 30)) == (30, 0, 0)
         assert wait_for(lambda: visible(host_c, "c", keys_of("b", 20)) == 20)
+        # the administrator's machine sees b and c through a's sync agent, not as "not running"
+        assert wait_for(lambda: all(f"server {x}: not running here; heard" in ctl(home, "status", "m").stdout
+                                    for x in ("b", "c")))
+        st = json.loads(ctl(home, "status", "m", "--json").stdout)["servers"]["b"]
+        assert st["remote"]["by"] == "a" and st["remote"]["heard_s"] < 10 and st["remote"]["behind"] == 0
+        assert "server b: not running here, heard" in ctl(home, "show", "m").stdout
         cfg = load_store("m", home)
         c_pub, c_sec = (host_c / "keys" / "m" / "c.key").read_text().encode().split()
         b_endpoint, b_key = cfg.servers[1].endpoints[0], cfg.servers[1].public_key.encode()

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..._units import format_size
+from ..source import state_of
 from .table import SnapshotTable
 
 
@@ -29,7 +30,7 @@ class ServersTable(SnapshotTable):
     def rows_of(self, name: str, e: dict[str, Any]) -> Iterable[tuple[str, ...]]:
         st = e.get("stats")
         if not e["running"] or st is None:
-            yield (name, "down" if not e["running"] else "starting", *(["-"] * 8))
+            yield (name, state_of(e), *(["-"] * 8))
             return
         sv = st["service"]
         faults = sv["validation_failures"] + sv["io_errors"]

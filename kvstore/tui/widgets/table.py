@@ -35,6 +35,11 @@ class SnapshotTable(DataTable[str]):
             return self.MEDIUM or self.COLUMNS
         return self.NARROW or self.MEDIUM or self.COLUMNS
 
+    @property
+    def hidden(self) -> int:
+        """Columns this terminal's width leaves out (the status line says so)."""
+        return len(self.COLUMNS) - len(self._shown) if self._shown else 0
+
     def on_mount(self) -> None:
         self._shown = self.columns_for(self.app.size.width)
         self._add_columns()
@@ -56,6 +61,7 @@ class SnapshotTable(DataTable[str]):
             self._add_columns()
         else:
             self.clear()
+        self.border_subtitle = f"+{self.hidden} columns at a wider terminal" if self.hidden else ""
         pick = [self.COLUMNS.index(c) for c in shown]
         for name, e in snap.items():
             for row in self.rows_of(name, e):
