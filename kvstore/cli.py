@@ -722,7 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(signed), and delete its key file here. Every machine's running services drop "
                                   "its pages from their index and stop accepting its connections; its own "
                                   "service stops. Its area keeps its index; 'allow' gives it back. Exit 4 for "
-                                  "the last allowed server.")
+                                  "the last allowed server. deny is membership, not integrity: a denied host "
+                                  "that can still reach the devices can read them, destroy or forge pages and "
+                                  "replay old superblocks; remove it from the fabric's access list too "
+                                  "(NVMe-oF host NQN). docs/SECURITY.md, docs/OPERATIONS.md.")
     c.add_argument("store")
     c.add_argument("server", metavar="NAME")
     c.add_argument("--timeout", type=float, default=10.0,

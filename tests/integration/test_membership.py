@@ -489,3 +489,39 @@ def test_a_returning_server_catches_up_whatever_changed_meanwhile(home: Path, fi
     assert wait_for(lambda: (src.snapshot()["b"].get("peers") or {}).get("a", {}).get("behind") == 0
                     and src.snapshot()["b"]["peers"]["a"]["heard_s"] is not None)
     assert stats(sb2).validation_failures == 0
+
+
+def test_key_rotation_as_operations_describes_it(home: Path, file_devices: Any, services: Any) -> None:
+    """docs/OPERATIONS.md: keygen --force on the server, allow --update --key on the administrator's
+    machine. b serves on throughout; peers admit only the new key afterwards; a machine holding the
+    old key can no longer serve as b."""
+    cluster(home, file_devices, ["a", "b"], spare=0)
+    sa, sb = services(home, "m", "a"), services(home, "m", "b")
+    old_pub, old_sec = load_keypair("m", "b", home)
+    old_file = (home / "keys" / "m" / "b.key").read_text()
+    new_pub = keygen_force(home, "b")
+    r = ctl(home, "allow", "m", "b", "--update", f"--key={new_pub}")
+    assert r.returncode == 0, r.stderr
+    assert load_store("m", home).servers[1].public_key == new_pub
+    assert sb.proc.poll() is None  # b serves on, with its new key
+    assert put_pages(home, "b", keys_of("after", 10)).stored == 10
+    assert wait_for(lambda: visible(home, "a", keys_of("after", 10)) == 10)
+    cfg = load_store("m", home)
+    a_endpoint, a_key = cfg.servers[0].endpoints[0], cfg.servers[0].public_key.encode()
+    assert not admitted(a_endpoint, a_key, old_pub, old_sec, 1500)
+    assert admitted(a_endpoint, a_key, *load_keypair("m", "b", home), 3000)
+    other = home / "host-old"
+    (other / "keys" / "m").mkdir(parents=True)
+    (other / "keys" / "m" / "b.key").write_text(old_file)
+    (other / "stores").mkdir()
+    for f in ("m.toml",):
+        (other / "stores" / f).write_text((home / "stores" / f).read_text())
+    r = ctl(other, "connect", "m", "--server", "b")
+    assert r.returncode == 4 and "is not the one store 'm' allows for 'b'" in r.stderr
+    assert stats(sa).validation_failures == 0
+
+
+def keygen_force(home: Path, server: str) -> str:
+    r = ctl(home, "keygen", "m", "--server", server, "--force")
+    assert r.returncode == 0, r.stderr
+    return next(ln.split(": ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("public key: "))
