@@ -272,3 +272,26 @@ def test_a_checkout_in_the_current_directory_is_not_imported_by_children(env_hom
     r = subprocess.run([sys.executable, "-m", "kvstore.cli", "kvcache", "connect", "s1"], cwd=checkout, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "whose compiled I/O extension (kvstore.ioworkers._aio) is not built" in r.stderr
+
+
+def test_daemon_reports_a_service_that_did_not_come_up_with_its_reason(env_home: Path) -> None:
+    """--daemon succeeds only once the service answers a client; a service that stops during its
+    start (here: its metrics port is held) is a failure with the service's own error line."""
+    import socket
+
+    from kvstore.testing import free_port_pair
+
+    assert create(env_home, "s1") == 0
+    port = free_port_pair()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        r = run(env_home, "kvcache", "connect", "s1", "--daemon", "--metrics", f"127.0.0.1:{port}")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"the service exited with code 1: server local: metrics address 127.0.0.1:{port} cannot be bound" \
+        in r.stderr
+    assert not (env_home / "run" / "s1" / "local.pid").exists()
+    r = run(env_home, "kvcache", "connect", "s1", "--daemon", "--metrics", "")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "runs as pid" in r.stdout
+    assert run(env_home, "kvcache", "disconnect", "s1").returncode == 0

@@ -65,6 +65,12 @@ class SyncLink:
         self.on_hint = on_hint
         self.denied = np.zeros(smap.n_areas, dtype=bool)
         """Areas of denied servers: their registers are dropped, never merged."""
+        # a run's log begins with what this server holds: a peer that follows our new epoch from
+        # seq 0 then learns of pages saved in an earlier run but never published (stopped or
+        # killed right after a save), which no other log holds. An area larger than the log
+        # wraps it, and such a peer is answered with a snapshot instead (``_queue_answer``).
+        own = [registers_of(slots, smap, d, area) for d in range(smap.n_devices)]
+        self.log.append(np.concatenate(own) if own else np.zeros(0, dtype=REGISTER_DTYPE))
 
     def publish(self, updates: list[tuple[int, Any]]) -> None:
         """Record own registers, as captured when they changed, as updates and offer them to the agent.

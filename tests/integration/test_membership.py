@@ -525,3 +525,32 @@ def keygen_force(home: Path, server: str) -> str:
     r = ctl(home, "keygen", "m", "--server", server, "--force")
     assert r.returncode == 0, r.stderr
     return next(ln.split(": ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("public key: "))
+
+
+def test_pages_a_killed_server_never_published_reach_its_peers_when_it_returns(home: Path, file_devices: Any,
+                                                                              services: Any) -> None:
+    """b saves pages while its sync agent is frozen (SIGSTOP), then b is killed (SIGKILL): nothing
+    was published. When b returns, a learns of them: a new run's delta log begins with what the
+    server holds. (Before: a never saw them; the torture test found it with a save right before a
+    restart.)"""
+    import signal
+
+    cluster(home, file_devices, ["a", "b"], spare=0)
+    services(home, "m", "a")
+    sb = services(home, "m", "b")
+    assert put_pages(home, "b", keys_of("first", 3)).stored == 3
+    assert wait_for(lambda: visible(home, "a", keys_of("first", 3)) == 3)
+    frozen = [p for p in sb.children() if p not in sb.worker_pids()]  # the sync agent (and nothing else)
+    assert frozen
+    for p in frozen:
+        os.kill(p, signal.SIGSTOP)
+    assert put_pages(home, "b", keys_of("unpublished", 8)).stored == 8
+    assert visible(home, "a", keys_of("unpublished", 8)) == 0
+    for p in [sb.pid, *sb.children()]:
+        os.kill(p, signal.SIGKILL)
+    sb.proc.wait(30)
+    sb.expected_exit = -9
+    services(home, "m", "b")
+    assert wait_for(lambda: visible(home, "a", keys_of("unpublished", 8)) == 8), visible(home, "a",
+                                                                                        keys_of("unpublished", 8))
+    assert read_all(home, "a", keys_of("unpublished", 8)) == (8, 0, 0)
