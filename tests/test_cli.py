@@ -215,6 +215,18 @@ def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -
     os.unlink(env_home / "s3.img")
     r = run(env_home, "kvcache", "connect", "s3")
     assert r.returncode == 4 and "does not exist" in r.stderr
+    # list reports the broken store on its own line and goes on with the others
+    r = run(env_home, "kvcache", "list")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith("s3 ") and "error:" in ln and "does not exist" in ln for ln in lines), r.stdout
+    assert any(ln.startswith("s2 ") and "64.0 KiB" in ln for ln in lines), r.stdout
+    # piped into a reader that goes away: no traceback
+    p = subprocess.Popen(f"{sys.executable} -m kvstore.cli kvcache status s2 --watch --interval 0.001 --count 100000 "
+                         "| head -1", shell=True, env=dict(os.environ, MASS_HOME=str(env_home)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert out.startswith("store s2") and "Traceback" not in err and "BrokenPipe" not in err, err
     for sub in (["dashboard", "nope"], ["disconnect", "nope"], ["allow", "nope", "x"], ["deny", "nope", "x"],
                 ["show", "nope"], ["status", "nope", "--watch", "--count", "1"]):
         r = run(env_home, "kvcache", *sub)
