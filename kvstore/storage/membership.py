@@ -329,9 +329,10 @@ class SeenRecord:
         """Record ``m``'s superblocks if any is newer than the record's (best effort: a reader
         without write access to MASS_HOME records nothing)."""
         old = self.load()
-        if all(p in old and old[p].generation >= sb.generation and old[p].membership_gen >= sb.membership_gen
+        if all(p in old and (old[p].store_uuid, old[p].admin_key) == (sb.store_uuid, sb.admin_key)
+               and old[p].generation >= sb.generation and old[p].membership_gen >= sb.membership_gen
                for p, sb in zip(m.paths, m.sbs)):
-            return
+            return  # nothing newer (a record of another store under this name is replaced)
         blob = b"".join(self.HEAD.pack(len(p.encode())) + p.encode() + sb.encode() for p, sb in zip(m.paths, m.sbs))
         tmp = self.path.with_suffix(f".membership.{os.getpid()}")
         try:

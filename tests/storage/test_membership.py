@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from pathlib import Path
 
@@ -170,6 +171,18 @@ def test_the_record_stands_in_for_rolled_back_and_torn_devices_only_where_it_may
         f.write(bytes(16384))
     with pytest.raises(DeviceMismatch, match="not formatted for kvstore"):
         read_membership(paths, store_uuid=U, admin_key=admin.public, seen=record.load(), torn_ok=True)
+    # the store re-created under the same paths (new uuid, key, generation 1): the record follows it
+    admin2 = AdminKey.generate()
+    U2 = uuid.uuid4().bytes
+    for i, p in enumerate(paths):  # new files at the old paths: their generations start again at 1
+        os.unlink(p)
+        with open(p, "wb") as f:
+            f.truncate(16 << 20)
+        format_device(p, store_uuid=U2, store_name="s", page_size=1 << 16, device_index=i, device_count=2,
+                      servers=[Area("a", 0, 0, 0, KEY_A, "127.0.0.1:7000")], salt=b"y" * 32, sign=admin2.sign,
+                      areas=3, force=True)
+    record.note(read_membership(paths, store_uuid=U2, admin_key=admin2.public))
+    assert all(sb.store_uuid == U2 and sb.admin_key == admin2.public for sb in record.load().values())
     # a record that does not parse is no record
     (tmp_path / "s.membership").write_bytes(b"\x05\x00abc")
     assert record.load() == {}
