@@ -69,6 +69,28 @@ def test_lmcache_l2_bench_verifies_bytes_through_the_plugin(home: Path, file_dev
     assert wait_for(lambda: all(t["pinned"] == 0 for t in status(home)["tenants"].values()), 10)
 
 
+def test_every_key_loads_its_own_bytes_in_lmcaches_adapter_machinery(home: Path, file_devices: Any,
+                                                                    services: Any) -> None:
+    """``lmcache bench l2 --no-skip-verify`` cannot tell a key from another round's (its objects repeat
+    a byte pattern and only the last round is checked). tests/engines/lmcache_verify_keys.py drives
+    the adapter through LMCache's own factory, keys, memory objects and event fds with random bytes
+    per key: 3 rounds of 40 keys of 100 KB (two pages each), loaded in random order, each compared
+    with its own key's bytes. A deliberately wrong adapter (each load asks for another key) fails it."""
+    devs = file_devices.make(1, (1 << 20) + 600 * (4096 + (64 << 10)))
+    make_store(home, "lm", devs, 64 << 10)
+    services(home, "lm")
+    script = Path(__file__).parent / "lmcache_verify_keys.py"
+    res = {}
+    for mode in ("right", "wrong"):
+        r = subprocess.run([str(VENV / "bin" / "python"), str(script), adapter_json("lm", home), "--keys", "40",
+                            "--rounds", "3", "--size-kb", "100"] + (["--wrong-key"] if mode == "wrong" else []),
+                           env=lm_env(home), capture_output=True, text=True, timeout=300, cwd="/")
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        res[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["right"] == {"stored": 120, "loaded": 120, "verified": 120, "mismatched": 0, "missed": 0}, res
+    assert res["wrong"]["verified"] == 0 and res["wrong"]["mismatched"] + res["wrong"]["missed"] == 120, res
+
+
 def run_bench_server(home: Path, rpc: str, http: str, retrieves: int, matched: int) -> list[str]:
     """3 requests of 512 tokens; each is looked up and stored or retrieved (cold), then retrieved
     again (warm) and checksummed by the server against what the client wrote. Half a second

@@ -1,0 +1,100 @@
+"""Per-key round trip through LMCache's own L2 adapter machinery (run with .venv-lmcache's Python).
+
+``lmcache bench l2 --no-skip-verify`` fills object i of every round with the byte ``i``
+and checks only the last round: an adapter that loads each object from the wrong key of
+another round passes it. This script uses LMCache's own pieces (its adapter config parser
+and factory, ``ObjectKey`` and ``TensorMemoryObj`` from its benchmark helpers, its event
+fds and bitmaps) and gives every object of every round its own random bytes; then it
+loads every key, in random order, into buffers filled with something else, and compares
+each with what was stored under *that* key.
+
+    python lmcache_verify_keys.py ADAPTER_JSON --keys 64 --rounds 3 --size-kb 100 [--wrong-key]
+
+``--wrong-key`` asks each load for the key after it (a deliberately wrong adapter): every
+key must then count as mismatched or missed, which shows the check can fail. Prints one
+JSON line: stored, loaded, verified, mismatched, missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import torch
+from lmcache.cli.commands.bench.l2_adapter_bench.data import (create_l1_memory_desc, make_aligned_tensor,
+                                                              make_memory_objects, make_object_keys, wait_eventfd)
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+BATCH = 16
+TIMEOUT_S = 60.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("adapter")
+    ap.add_argument("--keys", type=int, default=64, help="keys per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--size-kb", type=int, default=100)
+    ap.add_argument("--wrong-key", action="store_true")
+    a = ap.parse_args()
+    size = a.size_kb * 1024
+    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[a.adapter])).adapters[0]
+    buf = make_aligned_tensor(2 * BATCH * size)
+    adapter = create_l2_adapter(cfg, l1_memory_desc=create_l1_memory_desc(buf))
+    gen = torch.Generator().manual_seed(1234)
+    stored: dict[int, torch.Tensor] = {}  # kv_rank (unique per key) -> the bytes stored under it
+    keys = []
+    try:
+        for r in range(a.rounds):
+            for start in range(0, a.keys, BATCH):
+                n = min(BATCH, a.keys - start)
+                ks = make_object_keys(n, key_offset=r * a.keys + start)
+                objs = make_memory_objects(buf, n, size, 0)
+                for k, o in zip(ks, objs):  # every object of every round its own bytes
+                    o.raw_data.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+                    stored[k.kv_rank] = o.raw_data.clone()
+                task = adapter.submit_store_task(ks, objs)
+                done: dict[int, object] = {}
+                while task not in done:
+                    if not wait_eventfd(adapter.get_store_event_fd(), TIMEOUT_S):
+                        print(json.dumps({"error": "store timed out"}))
+                        return 1
+                    done.update(adapter.pop_completed_store_tasks())
+                if int(done[task]) < 0:  # type: ignore[call-overload]
+                    print(json.dumps({"error": f"store task of round {r} failed"}))
+                    return 1
+                keys += ks
+        order = list(range(len(keys)))
+        random.Random(99).shuffle(order)
+        verified = mismatched = missed = 0
+        for start in range(0, len(order), BATCH):
+            idx = order[start:start + BATCH]
+            ks = [keys[i] for i in idx]
+            asked = [keys[(i + 1) % len(keys)] for i in idx] if a.wrong_key else ks
+            objs = make_memory_objects(buf, len(ks), size, BATCH * size, fill_offset=0x5A)
+            task = adapter.submit_load_task(asked, objs)
+            bitmap = None
+            while bitmap is None:
+                if not wait_eventfd(adapter.get_load_event_fd(), TIMEOUT_S):
+                    print(json.dumps({"error": "load timed out"}))
+                    return 1
+                bitmap = adapter.query_load_result(task)
+            for j, (k, o) in enumerate(zip(ks, objs)):
+                if not bitmap.test(j):
+                    missed += 1
+                elif torch.equal(o.raw_data, stored[k.kv_rank]):
+                    verified += 1
+                else:
+                    mismatched += 1
+        print(json.dumps({"stored": len(stored), "loaded": len(keys), "verified": verified,
+                          "mismatched": mismatched, "missed": missed}))
+        return 0
+    finally:
+        adapter.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
