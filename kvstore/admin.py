@@ -29,7 +29,8 @@ from .config import (ADDRESS_RE, LocalConfig, ServerConfig, ServiceConfig, Store
                      admin_key_path, check_address, check_name, compose_store, key_path, load_local, load_store,
                      mass_home, note_membership, save_store, seen_record, store_path)
 from .errors import DeviceMismatch, NotAllowed, StoreNotFound
-from .storage.membership import AdminKey, Membership, change_membership, fingerprint, read_membership
+from .storage.membership import (AdminKey, Membership, change_membership, fingerprint, raw_device_indexes,
+                                 read_membership)
 from .storage.superblock import AREA_DENIED, Area, Superblock
 
 
@@ -85,7 +86,8 @@ def check_public_key(pub: str, server: str) -> bytes:
 @dataclass(frozen=True)
 class Claims:
     """What one allowed server takes: its sync PORT and PORT+1, its events PORT and PORT+1,
-    its metrics PORT (all on their hosts), and its public key."""
+    its metrics PORT, and its public key. Ports are taken on a machine: the one its sync
+    address names, for a metrics or events address on a wildcard host (0.0.0.0, ::) too."""
 
     name: str
     sync: str = ""
@@ -94,27 +96,49 @@ class Claims:
     metrics: str = ""
 
     def ports(self) -> list[tuple[str, int, str]]:
-        """(host, port, what) of every port this server listens on."""
+        """(machine, port, what) of every port this server listens on."""
+        home = canonical_host(self.sync.rpartition(":")[0]) if self.sync else f"(the machine of {self.name})"
         out = []
         for what, addr, n in (("sync", self.sync, 2), ("events", self.events, 2), ("metrics", self.metrics, 1)):
             if addr:
                 host, _, port = addr.rpartition(":")
-                out += [(host.lower(), int(port) + k, f"{what} address {addr}" + (" (PORT+1)" if k else ""))
+                machine = home if canonical_host(host) in WILDCARD_HOSTS else canonical_host(host)
+                out += [(machine, int(port) + k, f"{what} address {addr}" + (" (PORT+1)" if k else ""))
                         for k in range(n)]
         return out
 
 
-WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]")
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
+
+
+def canonical_host(host: str) -> str:
+    """One spelling per address: IPv4 dotted as the kernel reads it (127.000.0.1 is 127.0.0.1),
+    IPv6 compressed, ``localhost`` as 127.0.0.1, names lower-case (names are not resolved:
+    two names of one machine are not recognised as one)."""
+    import ipaddress
+    import socket
+
+    h = host.strip("[]").lower()
+    if h == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        pass
+    try:
+        return socket.inet_ntoa(socket.inet_aton(h)) if h and h[0].isdigit() else h
+    except OSError:
+        return h
 
 
 def check_collisions(servers: Sequence[Claims]) -> None:
     """Refuse two allowed servers (or two addresses of one) that would listen on one port of
-    one host, or share a public key, naming both parties.
+    one machine, or share a public key, naming both parties.
 
     Raises:
         ValueError: the first collision found.
     """
-    taken: list[tuple[str, int, str, str]] = []  # host, port, server, what
+    taken: dict[tuple[str, int], tuple[str, str]] = {}
     keys: dict[str, str] = {}
     for sv in servers:
         if sv.public_key:
@@ -122,12 +146,12 @@ def check_collisions(servers: Sequence[Claims]) -> None:
                 raise ValueError(f"server {sv.name}'s public key is server {keys[sv.public_key]}'s too: each "
                                  "server needs its own keypair ('mass-ctl kvcache keygen' on that server)")
             keys[sv.public_key] = sv.name
-        for host, port, what in sv.ports():
-            for h, p, name, w in taken:
-                if p == port and (h == host or h in WILDCARD_HOSTS or host in WILDCARD_HOSTS):
-                    raise ValueError(f"server {sv.name}'s {what} takes port {port} of {host}, which server "
-                                     f"{name}'s {w} takes too (a sync or events address uses PORT and PORT+1)")
-            taken.append((host, port, sv.name, what))
+        for machine, port, what in sv.ports():
+            other = taken.get((machine, port))
+            if other is not None:
+                raise ValueError(f"server {sv.name}'s {what} takes port {port} of {machine}, which server "
+                                 f"{other[0]}'s {other[1]} takes too (a sync or events address uses PORT and PORT+1)")
+            taken[(machine, port)] = (sv.name, what)
 
 
 def claims_of(sv: ServerConfig) -> Claims:
@@ -338,23 +362,28 @@ def _deny(home: Path, cfg: StoreConfig, name: str) -> tuple[StoreConfig, int]:
     return compose_store(load_local(cfg.name, home), home), index
 
 
-def repair_store(home: Path, cfg: StoreConfig) -> tuple[Membership, tuple[int, ...]]:
+def repair_store(home: Path, cfg: StoreConfig, vouched: Sequence[str] = ()) -> tuple[Membership, tuple[int, ...]]:
     """Rewrite every device whose superblock is torn, rolled back (replayed) or lagging, from
     the newest membership this machine has verified, signed at the next generation; the
     membership itself does not change. Returns the new membership and the devices rewritten
-    (empty: nothing to repair, nothing written).
+    (empty: nothing to repair, nothing written). ``vouched`` paths are rewritten even when their
+    blocks no longer name the device (a wiped superblock): the operator vouches for the path.
 
     Raises:
         NotAllowed: no administrator key here. DeviceMismatch: a device no record covers.
     """
     with admin_lock(cfg.name, home):
-        cfg = load_store(cfg.name, home, torn_ok=True)
+        cfg = load_store(cfg.name, home, torn_ok=True, vouched=vouched)
         admin = _admin(cfg, home)
+        unknown = sorted(set(vouched) - set(cfg.devices))
+        if unknown:
+            raise ValueError(f"--force {', '.join(unknown)}: not a device of store {cfg.name!r} "
+                             f"({', '.join(cfg.devices)})")
         m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin_key=admin.public,
-                            seen=seen_record(cfg.name, home).load(), torn_ok=True)
+                            seen=seen_record(cfg.name, home).load(), torn_ok=True, vouched=vouched)
         if not m.damaged:
             return m, ()
-        return _change(home, cfg, admin, lambda areas: areas), m.damaged
+        return _change(home, cfg, admin, lambda areas: areas, vouched), m.damaged
 
 
 @contextlib.contextmanager
@@ -370,9 +399,11 @@ def admin_lock(store: str, home: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _change(home: Path, cfg: StoreConfig, admin: AdminKey, change: Callable[[list[Area]], list[Area]]) -> Membership:
+def _change(home: Path, cfg: StoreConfig, admin: AdminKey, change: Callable[[list[Area]], list[Area]],
+            vouched: Sequence[str] = ()) -> Membership:
     record = seen_record(cfg.name, home)
-    m = change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change, seen=record.load())
+    m = change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change, seen=record.load(),
+                          vouched=vouched)
     record.note(m)
     note_membership(cfg.name, cfg.uuid, m.gen, home)
     return m
@@ -427,6 +458,11 @@ def find_devices(given: Sequence[str], store_uuid: bytes) -> list[str]:
         try:
             sb = read_superblock(c)
         except (DeviceMismatch, OSError):
+            try:  # torn: still a claimant of the index its blocks name, so a backup beside it is no pick
+                for i in raw_device_indexes(c, store_uuid):
+                    claims.setdefault(i, []).append(f"{c} (its superblock is torn)")
+            except (DeviceMismatch, OSError):
+                pass
             continue
         if sb.store_uuid != store_uuid:
             continue
@@ -436,8 +472,10 @@ def find_devices(given: Sequence[str], store_uuid: bytes) -> list[str]:
     for i, paths in sorted(claims.items()):
         if i not in chosen and len(paths) > 1:
             raise DeviceMismatch(f"device {i} of the store is claimed by {' and '.join(paths)} (a copy of a device, "
-                                 "or one device seen through two paths): pass the right one with --device")
-        chosen.setdefault(i, paths[0])
+                                 "one device seen through two paths, or a torn device and its copy): pass the right "
+                                 "one with --device")
+        if not paths[0].endswith(" (its superblock is torn)"):
+            chosen.setdefault(i, paths[0])
     return [chosen[i] for i in sorted(chosen)]
 
 

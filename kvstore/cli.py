@@ -254,9 +254,16 @@ def cmd_deny(a: argparse.Namespace) -> int:
 def cmd_repair(a: argparse.Namespace) -> int:
     from .admin import repair_store
 
+    from .config import load_local
+
     home = mass_home()
-    cfg = load_store(a.store, home, torn_ok=True)
-    m, fixed = repair_store(home, cfg)
+    vouched = [os.path.abspath(p) for p in a.force or []]
+    local = load_local(a.store, home)
+    unknown = sorted(set(vouched) - set(local.devices))
+    if unknown:
+        raise ValueError(f"--force {', '.join(unknown)}: not a device of store {a.store!r} ({', '.join(local.devices)})")
+    cfg = load_store(a.store, home, torn_ok=True, vouched=vouched)
+    m, fixed = repair_store(home, cfg, vouched)
     if not fixed:
         print(f"store {cfg.name}: every device's superblock verifies at membership generation {m.gen}; nothing "
               "to repair")
@@ -305,13 +312,14 @@ def cmd_connect(a: argparse.Namespace) -> int:
             print(f"trusting the administrator key of store {a.store}: {fingerprint(m.admin_key)} (pinned in "
                   f"{store_path(a.store, home)}; check it against 'mass-ctl kvcache show {a.store}' on the "
                   "administrator's machine)", flush=True)
-    if a.metrics is not None or a.events is not None:
-        _set_hosted(home, a.store, a.server, a.metrics, a.events)
     cfg = load_store(a.store, home)
     server = _pick_server(cfg, a.server, home)
-    if _running(cfg.name, server, home):
+    if _running(cfg.name, server, home):  # before any setting is saved: a refused connect changes nothing
         raise AlreadyRunning(f"a service of store {cfg.name!r} as server {server!r} already runs here "
                              f"(pid {_running(cfg.name, server, home)})")
+    if a.metrics is not None or a.events is not None:
+        _set_hosted(home, a.store, server, a.metrics, a.events)
+        cfg = load_store(a.store, home)
     if a.daemon:
         import subprocess
 
@@ -340,6 +348,18 @@ def cmd_connect(a: argparse.Namespace) -> int:
     configure_logging(store=cfg.name, server=server, component="supervisor")
     serve(cfg, server)
     return EXIT_OK
+
+
+def _problem(m: Any, i: int) -> str:
+    """What is wrong with device ``i`` of membership ``m`` (``Membership.damaged``), in words."""
+    what = ("torn: no superblock copy verifies; read from this machine's record" if i in m.torn else
+            "rolled back: it holds an older membership than this machine has verified (a replayed or restored "
+            "superblock)" if i in m.rolled_back else
+            "split: its membership differs from another device's at the same generation (two changes at once)"
+            if i in m.split else
+            "one superblock copy does not verify (torn, forged or another device's); the other does"
+            if i in m.degraded else "lagging: a change did not reach it")
+    return f"device {i} ({m.paths[i]}): {what}; 'mass-ctl kvcache repair' on the administrator's machine rewrites it"
 
 
 def _answers(store: str, server: str, home: Path) -> bool:
@@ -381,6 +401,13 @@ def _set_hosted(home: Path, store: str, server: str | None, metrics: str | None,
         elif value is not None:  # --metrics '': off
             h.pop(what, None)
     hosted = {**local.hosted, name: h}
+    from .admin import Claims, check_collisions, claims_of
+
+    # nothing this server listens on may be what another server (or its own sync) takes
+    check_collisions([claims_of(s) for s in cfg.servers if not s.denied and s.name != name]
+                     + [Claims(name, cfg.servers[cfg.server_index(name)].sync,
+                               cfg.servers[cfg.server_index(name)].public_key, h.get("events", ""),
+                               h.get("metrics", ""))])
     save_store(dataclasses.replace(local, hosted={n: x for n, x in hosted.items() if x}), home)
 
 
@@ -413,7 +440,7 @@ def _status_once(a: argparse.Namespace) -> int:
     problems: list[str] = []
     try:  # status works whatever one device holds: it says which device is bad, and shows the services
         cfg, m = compose_membership(local, home, torn_ok=True)
-        problems = [r for r in m.refused if "both superblock copies are torn" in r or "older than the one" in r]
+        problems = [_problem(m, i) for i in m.damaged]
         names = [s.name for s in cfg.servers]
         denied = {s.name for s in cfg.servers if s.denied}
         page = cfg.page_size
@@ -558,16 +585,18 @@ def cmd_show(a: argparse.Namespace) -> int:
         except KVStoreError as err:
             e["error"] = str(err)
         if i in m.torn:
-            e["problem"] = "torn: both superblock copies fail; the membership shown is this machine's record"
+            e["problem"] = "torn: no superblock copy verifies; the membership shown is this machine's record"
         elif i in m.rolled_back:
             e["problem"] = (f"rolled back: it holds membership generation {e.get('membership_generation')}, this "
                             f"machine has verified {cfg.membership_gen} (a replayed or restored superblock)")
+        elif i in m.split or i in m.degraded:
+            e["problem"] = _problem(m, i).split(": ", 1)[1].split("; 'mass-ctl")[0]
         devices.append(e)
     mine = local_keys(cfg.name, home)
     from .tui.source import read_service, with_remote
 
     seen = with_remote({s.name: read_service(home, cfg.name, s.name) for s in cfg.servers})
-    servers = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None,
+    servers: list[dict[str, Any]] = [{"name": s.name, "area": i, "denied": s.denied, "sync": s.sync or None,
                 "public_key": s.public_key or None, "events": s.events or None, "metrics": s.metrics or None,
                 "key_here": bool(s.public_key) and s.public_key.encode() in mine,
                 "running_pid": _running(cfg.name, s.name, home) or None, "heard": seen[s.name].get("remote")}
@@ -740,6 +769,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "does not change. A torn device is rewritten only if its blocks still name the "
                                   "store and its device index.")
     c.add_argument("store")
+    c.add_argument("--force", action="append", metavar="PATH",
+                   help="rewrite this device even though its blocks no longer name the store's device at this path "
+                        "(a wiped superblock): you vouch that PATH is that device; repeatable")
     c.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for running services here to apply it (default 10)")
     c.set_defaults(fn=cmd_repair)

@@ -25,6 +25,7 @@ import re
 import secrets
 import sys
 import uuid as uuidlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -552,7 +553,8 @@ def load_local(name: str, home: Path | None = None) -> LocalConfig:
     return LocalConfig.from_toml(text)
 
 
-def load_store(name: str, home: Path | None = None, *, torn_ok: bool = False) -> StoreConfig:
+def load_store(name: str, home: Path | None = None, *, torn_ok: bool = False,
+               vouched: Sequence[str] = ()) -> StoreConfig:
     """Store ``name``: this machine's config composed with the membership on its devices
     (verified against the pinned administrator key; a replayed older membership is refused).
 
@@ -561,7 +563,7 @@ def load_store(name: str, home: Path | None = None, *, torn_ok: bool = False) ->
         DeviceMismatch: the devices cannot be read or do not verify (see storage/membership.py).
     """
     local = load_local(name, home)
-    return compose_membership(local, home, torn_ok=torn_ok)[0]
+    return compose_membership(local, home, torn_ok=torn_ok, vouched=vouched)[0]
 
 
 def compose_store(local: LocalConfig, home: Path | None = None) -> StoreConfig:
@@ -576,8 +578,8 @@ def seen_record(name: str, home: Path | None = None) -> SeenRecord:
     return SeenRecord(store_path(name, home).with_suffix(".membership"))
 
 
-def compose_membership(local: LocalConfig, home: Path | None = None, *,
-                       torn_ok: bool = False) -> tuple[StoreConfig, Membership]:
+def compose_membership(local: LocalConfig, home: Path | None = None, *, torn_ok: bool = False,
+                       vouched: Sequence[str] = ()) -> tuple[StoreConfig, Membership]:
     """``compose_store``, and the membership as read (each device's superblock). A device
     rolled back to an older membership is read as this machine last saw it; with
     ``torn_ok`` a torn one too (storage/membership.py)."""
@@ -590,7 +592,7 @@ def compose_membership(local: LocalConfig, home: Path | None = None, *,
     record = seen_record(local.name, home)
     m = read_membership(local.devices, store_uuid=uuidlib.UUID(local.uuid).bytes,
                         admin_key=bytes.fromhex(local.admin_key), min_gen=seen_membership(local.name, local.uuid, home),
-                        seen=record.load(), torn_ok=torn_ok)
+                        seen=record.load(), torn_ok=torn_ok, vouched=vouched)
     note_membership(local.name, local.uuid, m.gen, home)
     record.note(m)
     import zmq.utils.z85

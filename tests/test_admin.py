@@ -121,7 +121,8 @@ def test_collisions_are_refused_naming_both_parties(home: Path, monkeypatch: pyt
              "takes port 7000 of 127.0.0.1, which server a's sync address 127.0.0.1:7000 takes too"),
             ([f"a=127.0.0.1:7000:{pa}", f"b=127.0.0.1:7001:{pb}"], [], "which server a's sync address "
              "127.0.0.1:7000 (PORT+1) takes too"),
-            ([f"a=0.0.0.0:7000:{pa}", f"b=127.0.0.1:7001:{pb}"], [], "takes port 7001"),
+            ([f"a=localhost:7000:{pa}", f"b=127.0.0.1:7001:{pb}"], [], "takes port 7001 of 127.0.0.1"),
+            ([f"a=127.000.0.1:7000:{pa}", f"b=127.0.0.1:7000:{pb}"], [], "takes port 7000 of 127.0.0.1"),
             ([f"a=127.0.0.1:7000:{pa}", f"b=127.0.0.1:7002:{pa}"], [], "server b's public key is server a's too"),
             ([f"a=127.0.0.1:7000:{pa}", f"b=127.0.0.1:7002:{pb}"], ["--events", "b=127.0.0.1:6999"],
              "server b's events address 127.0.0.1:6999 (PORT+1) takes port 7000")]:
@@ -130,7 +131,7 @@ def test_collisions_are_refused_naming_both_parties(home: Path, monkeypatch: pyt
         assert not (home / "stores" / "s.toml").exists()
     # other hosts may use the same ports
     assert main(base + ["--server", f"a=10.0.0.1:7000:{pa}", "--server", f"b=10.0.0.2:7000:{pb}", "--spare",
-                        "2"]) == 0
+                        "4"]) == 0
     capsys.readouterr()
     pc = zmq.curve_keypair()[0].decode()
     for spec, key, msg in [("c=10.0.0.1:7001", pc, "server c's sync address 10.0.0.1:7001 takes port 7001 of "
@@ -141,6 +142,15 @@ def test_collisions_are_refused_naming_both_parties(home: Path, monkeypatch: pyt
     assert main(["kvcache", "allow", "s", "a=10.0.0.2:6999", "--update"]) == 2  # its own update, onto b's port
     assert "takes port 7000 of 10.0.0.2, which server b's" in capsys.readouterr().err
     assert [x.name for x in load_store("s", home).servers] == ["a", "b"]
+    # a wildcard metrics address is on its own server's machine: two machines may use the same one,
+    # but nothing else on that machine may take its port
+    pd, pe, pf = (zmq.curve_keypair()[0].decode() for _ in range(3))
+    assert main(["kvcache", "allow", "s", "d=10.0.0.4:7000", f"--key={pd}", "--metrics", "0.0.0.0:9400"]) == 0
+    assert main(["kvcache", "allow", "s", "e=10.0.0.5:7000", f"--key={pe}", "--metrics", "0.0.0.0:9400"]) == 0
+    capsys.readouterr()
+    assert main(["kvcache", "allow", "s", "f=10.0.0.4:9399", f"--key={pf}"]) == 2
+    assert "takes port 9400 of 10.0.0.4, which server d's metrics address 0.0.0.0:9400 takes too" in \
+        capsys.readouterr().err
     lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert main(["kvcache", "allow", "s", f"c=10.0.0.3:{lo + 10}", f"--key={pc}"]) == 0
     assert f"server c's sync address 10.0.0.3:{lo + 10}: port {lo + 10} lies in this machine's ephemeral " \

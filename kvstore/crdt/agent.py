@@ -46,8 +46,10 @@ from .log import (END_LAST, END_SNAPSHOT, K_ANSWER, K_ANSWER_END, K_DELTA, K_HIN
 log = structlog.get_logger(__name__)
 
 EXIT_ADDRESS_IN_USE = 3
-ADDRESS_IN_USE_HINT = ("a port inside net.ipv4.ip_local_port_range can be taken by any outgoing connection's "
-                       "local end; give the server a sync port (and PORT+1) outside that range")
+ADDRESS_IN_USE_HINT = ("another listener holds it (this machine's own metrics or events address included: "
+                       "'mass-ctl kvcache show STORE' lists them), or, for a port inside "
+                       "net.ipv4.ip_local_port_range, an outgoing connection's local end; give the server a sync "
+                       "port (and PORT+1) outside that range")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ import multiprocess
 import numpy as np
 import structlog
 import zmq
+import zmq.utils.z85
 
 from ..config import StoreConfig, mass_home, run_dir, seen_record
 from ..errors import AddressUnavailable, AlreadyRunning, KVStoreError, NotAllowed
@@ -238,6 +239,13 @@ class Supervisor:
             # renames or flags areas: the layout taken from these superblocks is the same)
             for why in m.refused:
                 self.log.warning("superblock copy refused", reason=why)
+            mine = m.newest.areas[self.area]
+            if mine.server != self.server or mine.denied or \
+                    zmq.utils.z85.encode(mine.public_key).decode() != cfg.servers[self.area].public_key:
+                # the config handed in is not the devices' word (a library caller's own): the devices decide
+                raise NotAllowed(f"the devices give area {self.area} to server {mine.server!r}"
+                                 f"{' (denied)' if mine.denied else ''} with another key than the config this "
+                                 f"service was started with: start it from the store's own config")
             self.sbs = m.sbs
             self.smap = SlotMap([[a.slot_count for a in sb.areas] for sb in self.sbs])
             total = self.smap.total

@@ -138,11 +138,17 @@ class Membership:
     (``torn_ok`` only)."""
     rolled_back: tuple[int, ...] = ()
     """Devices whose membership is older than this machine's record: read from the record."""
+    degraded: tuple[int, ...] = ()
+    """Devices with one copy that does not verify (torn, forged, another device's) beside a good one."""
+    split: tuple[int, ...] = ()
+    """Devices whose membership at the newest generation differs from the lowest such device's."""
 
     @property
     def damaged(self) -> tuple[int, ...]:
-        """Devices the next change (or ``repair``) must rewrite: torn, rolled back or lagging."""
-        return tuple(sorted(set(self.torn) | set(self.rolled_back) | set(self.lagging)))
+        """Devices the next change (or ``repair``) should rewrite: torn, rolled back, lagging,
+        with a lost copy, or split."""
+        return tuple(sorted(set(self.torn) | set(self.rolled_back) | set(self.lagging) | set(self.degraded)
+                            | set(self.split)))
 
     @property
     def newest(self) -> Superblock:
@@ -166,7 +172,7 @@ class Membership:
 
 def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key: bytes | None,
                     min_gen: int = 0, seen: Mapping[str, Superblock] | None = None,
-                    torn_ok: bool = False) -> Membership:
+                    torn_ok: bool = False, vouched: Sequence[str] = ()) -> Membership:
     """Read and verify a store's devices.
 
     ``admin_key`` is the pinned administrator key; ``None`` trusts the key device 0 names
@@ -174,7 +180,8 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
     store of device 0. ``paths`` may come in any order; the result is in device order.
     ``seen`` is this machine's record (``SeenRecord.load``): path -> the newest verified
     superblock read there; it stands in for a rolled-back device and, with ``torn_ok``,
-    for a torn one (see the module docstring).
+    for a torn one (see the module docstring). ``vouched`` paths (``repair --force``) are read
+    from the record even when their blocks no longer name the device (a wiped superblock).
 
     Raises:
         DeviceMismatch: a device is unreadable, of another store, its copies all fail (torn,
@@ -187,6 +194,7 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
     refused: list[str] = []
     torn: list[int] = []
     rolled: list[int] = []
+    degraded: list[int] = []
     seen = dict(seen or {})
     if admin_key is not None:  # the record is trusted only as far as its signatures
         seen = {p: sb for p, sb in seen.items() if signed_by(sb, admin_key)
@@ -209,7 +217,12 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
             key = admin_key
             good = []
             for c in mine:
-                if signed_by(c, key):
+                if rec is not None and c.device_index != rec.device_index:
+                    # a validly signed block of another device written here (a copy, a replay):
+                    # this path is device rec.device_index, as this machine has verified before
+                    refused.append(f"device {p}: a superblock copy names device {c.device_index}, but this path is "
+                                   f"device {rec.device_index} of the store: refused")
+                elif signed_by(c, key):
                     good.append(c)
                 else:
                     refused.append(f"device {p}: a superblock copy (generation {c.generation}) is not signed by "
@@ -225,6 +238,8 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
             # if the blocks still name that device of the store (not another device at this path)
             uuid = rec.store_uuid if rec is not None else store_uuid
             ours = uuid is not None and names_device(p, uuid, rec.device_index if rec is not None else None)
+            if rec is not None and torn_ok and p in vouched:
+                ours = True  # the operator says this path is that device (repair --force)
             if not ours:
                 raise
             if rec is None or not torn_ok:
@@ -237,6 +252,8 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
             torn.append(rec.device_index)
             continue
         sb = max(good, key=lambda s: s.generation)
+        if len(good) < len(copies):  # one copy lost (torn, forged, another device's): a rewrite restores two
+            degraded.append(sb.device_index)
         if rec is not None and rec.membership_gen > sb.membership_gen and _same_layout(rec, sb):
             refused.append(f"device {p}: its membership (generation {sb.membership_gen}) is older than the one "
                            f"this machine has seen there ({rec.membership_gen}): a replayed or restored superblock, "
@@ -267,8 +284,16 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
         raise DeviceMismatch(f"the devices' membership (generation {gen}) is older than one this machine has "
                              f"seen ({min_gen}): a replayed superblock is refused")
     lagging = tuple(s.device_index for s in sbs if s.membership_gen < gen)
+    # devices at the newest generation that disagree on who owns what: two changes written at once
+    # from two administrator machines; the membership in force is the lowest device's
+    top = [x for x in sbs if x.membership_gen == gen]
+    split = tuple(x.device_index for x in top if [_ident(a) for a in x.areas] != [_ident(a) for a in top[0].areas])
+    for i in split:
+        refused.append(f"device {where[i]}: its membership of generation {gen} differs from device "
+                       f"{top[0].device_index}'s: two changes were written at once; the membership in force is "
+                       f"device {top[0].device_index}'s ('repair' writes it to every device)")
     return Membership(sbs, tuple(where[i] for i in range(len(sbs))), gen, lagging, tuple(refused),
-                      tuple(sorted(torn)), tuple(sorted(rolled)))
+                      tuple(sorted(torn)), tuple(sorted(rolled)), tuple(sorted(set(degraded))), split)
 
 
 def _same_layout(a: Superblock, b: Superblock) -> bool:
@@ -281,15 +306,22 @@ def _same_layout(a: Superblock, b: Superblock) -> bool:
 def names_device(path: str, store_uuid: bytes, device_index: int | None) -> bool:
     """Does a copy of ``path``'s superblock, checksum or not, still carry the magic, ``store_uuid``
     and ``device_index`` (any index: ``None``), i.e. is it a torn block, not another device?"""
+    named = raw_device_indexes(path, store_uuid)
+    return bool(named) if device_index is None else device_index in named
+
+
+def raw_device_indexes(path: str, store_uuid: bytes) -> set[int]:
+    """The device indexes that ``path``'s superblock copies name for store ``store_uuid``, read
+    without checking checksums or signatures (what a torn device still says it is)."""
     fd = open_direct(path, writable=False)
     buf = mmap.mmap(-1, SUPERBLOCK_SIZE)
+    out = set()
     try:
         for off in COPY_OFFSETS:
             n = os.preadv(fd, [buf], off)
-            if n >= 68 and buf[:8] == MAGIC and buf[16:32] == store_uuid \
-                    and device_index in (None, struct.unpack_from("<I", buf, 64)[0]):
-                return True
-        return False
+            if n >= 68 and buf[:8] == MAGIC and buf[16:32] == store_uuid:
+                out.add(struct.unpack_from("<I", buf, 64)[0])
+        return out
     finally:
         buf.close()
         os.close(fd)
@@ -349,7 +381,7 @@ class SeenRecord:
 
 def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKey,
                       change: Callable[[list[Area]], list[Area]],
-                      seen: Mapping[str, Superblock] | None = None) -> Membership:
+                      seen: Mapping[str, Superblock] | None = None, vouched: Sequence[str] = ()) -> Membership:
     """Apply ``change`` to the newest area table and write it, signed, to every device with
     the next ``membership_gen`` (lagging, torn and rolled-back devices are rewritten by the
     same write; ``seen`` is this machine's record, see ``read_membership``), then read it
@@ -363,7 +395,8 @@ def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKe
         DeviceMismatch: as ``read_membership``, or the devices did not keep what was written.
         ValueError: ``change`` resized or moved an area.
     """
-    cur = read_membership(paths, store_uuid=store_uuid, admin_key=admin.public, seen=seen, torn_ok=True)
+    cur = read_membership(paths, store_uuid=store_uuid, admin_key=admin.public, seen=seen, torn_ok=True,
+                          vouched=vouched)
     gen = cur.gen + 1
     before = list(cur.newest.areas)
     after = change(list(before))
@@ -392,4 +425,4 @@ def _ident(a: Area) -> tuple[str, int, bytes, str]:
 
 
 __all__ = ["AdminKey", "Member", "Membership", "SeenRecord", "change_membership", "fingerprint", "names_device",
-           "read_membership", "signed_by"]
+           "raw_device_indexes", "read_membership", "signed_by"]

@@ -315,6 +315,15 @@ def test_a_machine_serves_only_with_the_servers_key(home: Path, file_devices: An
     # the service itself refuses too (a library caller skips the CLI)
     with pytest.raises(NotAllowed, match="no key here for server 'a'"):
         Supervisor(load_store("m", host_x), "a", host_x)
+    # ... and a config of the caller's own that gives a this machine's key: the devices decide
+    pub_y = keygen(host_x, "y")
+    cfg = load_store("m", host_x)
+    forged = dataclasses.replace(cfg, servers=(dataclasses.replace(cfg.servers[0], public_key=pub_y),
+                                               *cfg.servers[1:]))
+    sup = Supervisor(forged, "a", host_x)
+    with pytest.raises(NotAllowed, match="the devices give area 0 to server 'a'.* with another key"):
+        sup.start()
+    (host_x / "keys" / "m" / "y.key").unlink()
     assert not list((host_x / "run").rglob("*.pid")) if (host_x / "run").exists() else True
     assert read_all(home, "a", keys_of("a", 40)) == (40, 0, 0)
     assert stats(sa).validation_failures == 0
@@ -342,8 +351,8 @@ def test_a_torn_device_blocks_no_command(home: Path, file_devices: Any, services
     for args in (("status", "m"), ("status", "m", "--json"), ("show", "m"), ("list",)):
         r = ctl(home, *args)
         assert r.returncode == 0, (args, r.stdout + r.stderr)
-        if args[0] != "list":
-            assert devs[1] in r.stdout and ("torn" in r.stdout or "no superblock copy verifies" in r.stdout), r.stdout
+    assert f"PROBLEM: device 1 ({devs[1]}): torn" in ctl(home, "status", "m").stdout
+    assert json.loads(ctl(home, "status", "m", "--json").stdout)["problems"][0].startswith(f"device 1 ({devs[1]}): torn")
     assert "server a: running" in ctl(home, "status", "m").stdout
     assert "PROBLEM: torn" in ctl(home, "show", "m").stdout and "repair m" in ctl(home, "show", "m").stdout
     assert read_all(home, "a", keys_of("a", 20)) == (20, 0, 0)  # the running service serves on
@@ -456,6 +465,14 @@ def test_two_candidates_for_one_device_are_named_and_refused(home: Path, file_de
         join_store(host, "m", [devs[0]])
     local, m, _ = join_store(host, "m", [devs[0], devs[1]])
     assert list(local.devices) == devs and m.paths == tuple(devs)
+    # the real device torn, the backup whole: still two claimants, never the backup by default
+    with open(devs[1], "r+b") as f:
+        real = f.read(16384)
+    flip(devs[1])
+    r = ctl(home / "host-t", "connect", "m", "--device", devs[0])
+    assert r.returncode == 4 and f"{devs[1]} (its superblock is torn)" in r.stderr, r.stderr
+    with open(devs[1], "r+b") as f:
+        f.write(real)
     local, m, _ = join_store(host, "m", [devs[1], backup, devs[0]][1:])  # the backup, picked on purpose
     assert list(local.devices) == [devs[0], backup]
 
@@ -554,3 +571,65 @@ def test_pages_a_killed_server_never_published_reach_its_peers_when_it_returns(h
     assert wait_for(lambda: visible(home, "a", keys_of("unpublished", 8)) == 8), visible(home, "a",
                                                                                         keys_of("unpublished", 8))
     assert read_all(home, "a", keys_of("unpublished", 8)) == (8, 0, 0)
+
+
+def test_a_copy_of_another_devices_superblock_is_refused_and_repaired(home: Path, file_devices: Any,
+                                                                     services: Any) -> None:
+    """Device 0's own current superblock written over device 1's first copy (validly signed, same
+    generation): the path is device 1 as this machine verified, so that copy is refused, the other
+    copy read, nothing locks out; show and status flag the device and repair rewrites both copies.
+    (Found by an outside review: show failed, repair/allow/deny and b's restart were refused.)"""
+    devs = cluster(home, file_devices, ["a", "b"], spare=1)
+    services(home, "m", "a")
+    sb = services(home, "m", "b")
+    assert put_pages(home, "b", keys_of("b", 10)).stored == 10
+    with open(devs[0], "rb") as f:
+        block = f.read(8192)
+    with open(devs[1], "r+b") as f:
+        f.write(block)
+    r = ctl(home, "show", "m")
+    assert r.returncode == 0 and "one superblock copy does not verify" in r.stdout, r.stdout + r.stderr
+    assert f"PROBLEM: device 1 ({devs[1]}): one superblock copy does not verify" in ctl(home, "status", "m").stdout
+    assert sb.stop() == 0
+    sb2 = services(home, "m", "b")  # restarts
+    r = ctl(home, "repair", "m")
+    assert r.returncode == 0 and f"rewrote the superblocks of device(s) {devs[1]}" in r.stdout, r.stdout + r.stderr
+    from kvstore.storage.device import read_copies
+
+    assert [c.device_index for c in read_copies(devs[1])] == [1, 1]  # type: ignore[union-attr]
+    assert "nothing to repair" in ctl(home, "repair", "m").stdout
+    assert read_all(home, "b", keys_of("b", 10)) == (10, 0, 0)
+    assert stats(sb2).validation_failures == 0
+
+
+def test_a_wiped_superblock_is_repaired_only_when_the_operator_vouches_for_the_path(home: Path,
+                                                                                     file_devices: Any) -> None:
+    devs = cluster(home, file_devices, ["a", "b"], spare=0)
+    assert ctl(home, "show", "m").returncode == 0  # the record is written
+    with open(devs[1], "r+b") as f:
+        f.write(bytes(16384))
+    r = ctl(home, "repair", "m")
+    assert r.returncode == 4 and "not formatted for kvstore" in r.stderr
+    r = ctl(home, "repair", "m", "--force", "/nowhere")
+    assert r.returncode == 2 and "not a device of store 'm'" in r.stderr
+    r = ctl(home, "repair", "m", "--force", devs[1])
+    assert r.returncode == 0 and "rewrote" in r.stdout, r.stdout + r.stderr
+    assert read_superblock(devs[1]).device_index == 1 and "nothing to repair" in ctl(home, "repair", "m").stdout
+
+
+def test_connect_refuses_a_metrics_address_that_collides_and_saves_nothing(home: Path, file_devices: Any,
+                                                                          services: Any) -> None:
+    """connect --metrics on the server's own sync port (or another's): refused with both named,
+    nothing saved. (Before: saved; the sync agent never bound; peers saw none of its pages.) A
+    connect refused because the service already runs saves nothing either."""
+    cluster(home, file_devices, ["a", "b"], spare=0)
+    cfg = load_store("m", home)
+    sync_b = cfg.servers[1].sync
+    before = (home / "stores" / "m.toml").read_text()
+    r = ctl(home, "connect", "m", "--server", "b", "--metrics", sync_b)
+    assert r.returncode == 2 and f"server b's metrics address {sync_b} takes port" in r.stderr, r.stderr
+    assert (home / "stores" / "m.toml").read_text() == before
+    services(home, "m", "a")
+    r = ctl(home, "connect", "m", "--server", "a", "--metrics", "127.0.0.1:1")
+    assert r.returncode == 4 and "already runs here" in r.stderr
+    assert (home / "stores" / "m.toml").read_text() == before

@@ -212,3 +212,22 @@ def test_a_change_written_over_by_another_at_the_same_time_is_an_error(tmp_path:
     monkeypatch.setattr(mod, "write_superblock", interleaved)
     with pytest.raises(DeviceMismatch, match="another membership change was written at the same time"):
         change_membership(paths, store_uuid=U, admin=admin, change=allow_c)
+
+
+def test_two_tables_at_one_generation_are_a_split_that_a_change_ends(tmp_path: Path) -> None:
+    """Two administrators' changes interleaved device by device can leave one generation with two
+    area tables; the lowest device's is in force, the other device is flagged, the next change
+    writes one table everywhere."""
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin)
+    sbs = [read_superblock(p) for p in paths]
+    for p, sb, name in zip(paths, sbs, ("q", "p")):
+        areas = list(sb.areas)
+        areas[2] = dataclasses.replace(areas[2], server=name, public_key=bytes([5] * 32), sync="127.0.0.1:7006")
+        write_superblock(p, admin.sign(dataclasses.replace(sb, generation=sb.generation + 1, membership_gen=2,
+                                                           areas=tuple(areas))))
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public)
+    assert m.split == (1,) and m.damaged == (1,) and [x.name for x in m.members][2] == "q"
+    assert any("two changes were written at once" in r for r in m.refused)
+    m = change_membership(paths, store_uuid=U, admin=admin, change=lambda a: a)
+    assert not m.split and all(sb.areas[2].server == "q" for sb in m.sbs)
