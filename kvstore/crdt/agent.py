@@ -222,8 +222,10 @@ class Agent:
             if m.last:
                 if m.snapshot:
                     self.want_snapshot.discard(peer)
+                # a snapshot of the peer's new run: its sequence numbers start again, so the old
+                # run's count must not hide a later gap below it
+                st.next = m.next_seq if m.epoch != st.epoch else max(st.next, m.next_seq)
                 st.epoch = m.epoch
-                st.next = max(st.next, m.next_seq)
                 st.outstanding = False
         else:
             self.stats.add("sync_messages_rejected")
