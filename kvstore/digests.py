@@ -5,10 +5,12 @@ Two digests, both BLAKE2b-256 (docs/FORMAT.md "Key digests")::
     key id   = BLAKE2b-256(key)                      what a client sends for a key
     digest   = BLAKE2b-256(key = tenant salt; key id)  what the slot table, index and headers hold
 
-The service salts the ids a client sends for get, put and pin itself: a client can read
-every digest in the slot table, so taking salted digests from it would let one tenant name
-another's pages. A client salts only for its own lookups (in ``KVCacheClient``), with its
-own tenant's salt, which the service hands it at the hello.
+A client sends key ids, never digests: the service salts them for the gets it serves, puts
+and pins, and an I/O worker salts the id of each direct read with the reading connection's
+tenant salt from its own table before it compares it with the slot's register. A client can
+read every digest in the slot table, so taking salted digests from it would let one tenant
+name another's pages. A client salts only for its own lookups (in ``KVCacheClient``), with
+its own tenant's salt, which the service hands it at the hello.
 
 Whole batches go through compiled code, not a Python loop: ``_keypack.c`` checks the keys and
 packs them into one buffer, ``ioworkers/_keys.c`` hashes them.

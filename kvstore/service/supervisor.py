@@ -308,7 +308,7 @@ class Supervisor:
                 with _binding("metrics", me.metrics, self.server):
                     self.metrics = serve_metrics(me.metrics, self.stats, cfg.name, self.server)
             if me.events:
-                from ..engines.events import EventPublisher
+                from .events import EventPublisher
 
                 host, _, port = me.events.rpartition(":")
                 with _binding("events", me.events, self.server):

@@ -13,7 +13,7 @@ import zmq
 
 from kvstore import KVCacheClient
 from kvstore.config import ServiceConfig, load_store
-from kvstore.engines.events import END_SEQ, block_hash
+from kvstore.service.events import END_SEQ, block_hash
 from kvstore.testing import free_port_pair, make_store
 
 pytestmark = pytest.mark.integration
