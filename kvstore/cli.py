@@ -763,11 +763,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = ks.add_parser("repair", help="rewrite torn or replayed superblocks from the last verified membership",
                       description="On the administrator's machine: rewrite every device whose superblock copies "
-                                  "are torn, that went back to an older membership (a replayed or restored "
-                                  "superblock), or that a change interrupted, from the newest membership this "
-                                  "machine has verified, signed at the next generation. The membership itself "
-                                  "does not change. A torn device is rewritten only if its blocks still name the "
-                                  "store and its device index.")
+                                  "are torn or forged, that went back to an older membership (a replayed or "
+                                  "restored superblock), that lost one of its two copies, that a change "
+                                  "interrupted, or whose membership differs from another device's at the same "
+                                  "generation, from the newest membership this machine has verified, signed at "
+                                  "the next generation. The membership itself does not change. A torn device is "
+                                  "rewritten only if its blocks still name the store and its device index (or "
+                                  "with --force PATH). 'status' and 'show' name the devices that need it.")
     c.add_argument("store")
     c.add_argument("--force", action="append", metavar="PATH",
                    help="rewrite this device even though its blocks no longer name the store's device at this path "

@@ -228,12 +228,12 @@ def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -
     out, err = p.communicate(timeout=120)
     assert out.startswith("store s2") and "Traceback" not in err and "BrokenPipe" not in err, err
     for sub in (["dashboard", "nope"], ["disconnect", "nope"], ["allow", "nope", "x"], ["deny", "nope", "x"],
-                ["show", "nope"], ["status", "nope", "--watch", "--count", "1"]):
+                ["repair", "nope"], ["show", "nope"], ["status", "nope", "--watch", "--count", "1"]):
         r = run(env_home, "kvcache", *sub)
         assert r.returncode == 3 and "store 'nope' not found" in r.stderr, sub
     # every subcommand explains itself
-    for sub in ("create", "connect", "allow", "deny", "keygen", "status", "dashboard", "list", "show", "disconnect",
-                "quickstart"):
+    for sub in ("create", "connect", "allow", "deny", "repair", "keygen", "status", "dashboard", "list", "show",
+                "disconnect", "quickstart"):
         r = run(env_home, "kvcache", sub, "--help")
         assert r.returncode == 0 and "usage: mass-ctl kvcache " + sub in r.stdout, sub
 
