@@ -430,7 +430,7 @@ def find_devices(given: Sequence[str], store_uuid: bytes) -> list[str]:
             a device, or one device seen through two paths (multipath, two controllers). Both are
             named; the operator picks one with ``--device``.
     """
-    from .storage.device import read_superblock
+    from .storage.device import decode_copies, read_blocks
 
     candidates: list[str] = list(given)
     for g in given:
@@ -456,14 +456,15 @@ def find_devices(given: Sequence[str], store_uuid: bytes) -> list[str]:
             continue
         seen.add(real)
         try:
-            sb = read_superblock(c)
+            blocks = read_blocks(c)
         except (DeviceMismatch, OSError):
-            try:  # torn: still a claimant of the index its blocks name, so a backup beside it is no pick
-                for i in raw_device_indexes(c, store_uuid):
-                    claims.setdefault(i, []).append(f"{c} (its superblock is torn)")
-            except (DeviceMismatch, OSError):
-                pass
             continue
+        valid = [x for x in decode_copies(blocks) if isinstance(x, Superblock)]
+        if not valid:  # torn: still a claimant of the index its blocks name, so a backup beside it is no pick
+            for i in raw_device_indexes(blocks, store_uuid):
+                claims.setdefault(i, []).append(f"{c} (its superblock is torn)")
+            continue
+        sb = max(valid, key=lambda x: x.generation)
         if sb.store_uuid != store_uuid:
             continue
         if real in real_given:
@@ -519,5 +520,5 @@ def join_store(home: Path, name: str, devices: Sequence[str], admin_key: str | N
     return local, m, not (old and old.admin_key) and pinned is None
 
 
-__all__ = ["Claims", "ServerSpec", "admin_lock", "check_collisions", "claims_of", "ephemeral_warnings", "allow_server", "check_public_key", "create_store", "deny_server",
-           "find_devices", "join_store", "repair_store"]
+__all__ = ["Claims", "ServerSpec", "admin_lock", "allow_server", "check_collisions", "check_public_key", "claims_of",
+           "create_store", "deny_server", "ephemeral_warnings", "find_devices", "join_store", "repair_store"]

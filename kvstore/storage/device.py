@@ -48,26 +48,41 @@ def open_direct(path: str, writable: bool) -> int:
         raise DeviceMismatch(f"cannot open {path} with O_DIRECT: {e.strerror}") from None
 
 
-def read_copies(path: str) -> list[Superblock | CorruptPage]:
-    """Both superblock copies of a device, decoded, or why each is not valid.
+def read_blocks(path: str) -> list[bytes]:
+    """The raw 8192-byte blocks at each superblock copy's offset (shorter at the end of a tiny
+    file), unchecked: ``decode_copies`` validates them, ``membership.raw_device_indexes`` reads
+    what a torn one still names.
 
     Raises:
         DeviceMismatch: the device cannot be opened with O_DIRECT.
     """
     fd = open_direct(path, writable=False)
     buf = mmap.mmap(-1, SUPERBLOCK_SIZE)
-    out: list[Superblock | CorruptPage] = []
     try:
-        for off in COPY_OFFSETS:
-            n = os.preadv(fd, [buf], off)
-            try:
-                out.append(Superblock.decode(memoryview(buf)[:n]))
-            except CorruptPage as e:
-                out.append(e)
+        return [bytes(buf[:os.preadv(fd, [buf], off)]) for off in COPY_OFFSETS]
     finally:
         buf.close()
         os.close(fd)
+
+
+def decode_copies(blocks: list[bytes]) -> list[Superblock | CorruptPage]:
+    """Each block decoded, or why it is not a valid superblock."""
+    out: list[Superblock | CorruptPage] = []
+    for b in blocks:
+        try:
+            out.append(Superblock.decode(b))
+        except CorruptPage as e:
+            out.append(e)
     return out
+
+
+def read_copies(path: str) -> list[Superblock | CorruptPage]:
+    """Both superblock copies of a device, decoded, or why each is not valid.
+
+    Raises:
+        DeviceMismatch: the device cannot be opened with O_DIRECT.
+    """
+    return decode_copies(read_blocks(path))
 
 
 def valid_copies(path: str, copies: list[Superblock | CorruptPage]) -> list[Superblock]:
@@ -142,5 +157,5 @@ def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: i
     return sb
 
 
-__all__ = ["Area", "device_size", "format_device", "open_direct", "read_copies", "read_superblock", "valid_copies",
+__all__ = ["Area", "decode_copies", "device_size", "format_device", "open_direct", "read_blocks", "read_copies", "read_superblock", "valid_copies",
            "write_superblock"]

@@ -28,7 +28,6 @@ that now leads elsewhere must not be written); the administrator's next change, 
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -40,8 +39,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from ..errors import CorruptPage, DeviceMismatch
-from .device import device_size, open_direct, valid_copies, read_copies, write_superblock
-from .superblock import COPY_OFFSETS, MAGIC, SUPERBLOCK_SIZE, Area, Superblock
+from .device import decode_copies, device_size, read_blocks, valid_copies, write_superblock
+from .superblock import MAGIC, SUPERBLOCK_SIZE, Area, Superblock
 
 
 class AdminKey:
@@ -200,7 +199,8 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
         seen = {p: sb for p, sb in seen.items() if signed_by(sb, admin_key)
                 and (store_uuid is None or sb.store_uuid == store_uuid)}
     for p in paths:
-        copies = read_copies(p)
+        blocks = read_blocks(p)
+        copies = decode_copies(blocks)
         rec = seen.get(p)
         try:
             valid = valid_copies(p, copies)
@@ -237,7 +237,8 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
             # no copy verifies (torn or forged): this machine's record stands in where allowed,
             # if the blocks still name that device of the store (not another device at this path)
             uuid = rec.store_uuid if rec is not None else store_uuid
-            ours = uuid is not None and names_device(p, uuid, rec.device_index if rec is not None else None)
+            named = raw_device_indexes(blocks, uuid) if uuid is not None else set()
+            ours = bool(named) if rec is None else rec.device_index in named
             if rec is not None and torn_ok and p in vouched:
                 ours = True  # the operator says this path is that device (repair --force)
             if not ours:
@@ -303,28 +304,12 @@ def _same_layout(a: Superblock, b: Superblock) -> bool:
          [(x.offset, x.slot_count) for x in b.areas])
 
 
-def names_device(path: str, store_uuid: bytes, device_index: int | None) -> bool:
-    """Does a copy of ``path``'s superblock, checksum or not, still carry the magic, ``store_uuid``
-    and ``device_index`` (any index: ``None``), i.e. is it a torn block, not another device?"""
-    named = raw_device_indexes(path, store_uuid)
-    return bool(named) if device_index is None else device_index in named
-
-
-def raw_device_indexes(path: str, store_uuid: bytes) -> set[int]:
-    """The device indexes that ``path``'s superblock copies name for store ``store_uuid``, read
-    without checking checksums or signatures (what a torn device still says it is)."""
-    fd = open_direct(path, writable=False)
-    buf = mmap.mmap(-1, SUPERBLOCK_SIZE)
-    out = set()
-    try:
-        for off in COPY_OFFSETS:
-            n = os.preadv(fd, [buf], off)
-            if n >= 68 and buf[:8] == MAGIC and buf[16:32] == store_uuid:
-                out.add(struct.unpack_from("<I", buf, 64)[0])
-        return out
-    finally:
-        buf.close()
-        os.close(fd)
+def raw_device_indexes(blocks: list[bytes], store_uuid: bytes) -> set[int]:
+    """The device indexes that a device's superblock blocks (``device.read_blocks``) name for
+    store ``store_uuid``, read without checking checksums or signatures: what a torn device
+    still says it is, telling it from another device at the same path."""
+    return {struct.unpack_from("<I", b, 64)[0] for b in blocks
+            if len(b) >= 68 and b[:8] == MAGIC and b[16:32] == store_uuid}
 
 
 class SeenRecord:
@@ -424,5 +409,5 @@ def _ident(a: Area) -> tuple[str, int, bytes, str]:
     return a.server, a.flags, a.public_key, a.sync
 
 
-__all__ = ["AdminKey", "Member", "Membership", "SeenRecord", "change_membership", "fingerprint", "names_device",
+__all__ = ["AdminKey", "Member", "Membership", "SeenRecord", "change_membership", "fingerprint",
            "raw_device_indexes", "read_membership", "signed_by"]
