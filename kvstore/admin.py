@@ -402,9 +402,10 @@ def admin_lock(store: str, home: Path) -> Iterator[None]:
 def _change(home: Path, cfg: StoreConfig, admin: AdminKey, change: Callable[[list[Area]], list[Area]],
             vouched: Sequence[str] = ()) -> Membership:
     record = seen_record(cfg.name, home)
-    m = change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change, seen=record.load(),
+    seen = record.load()
+    m = change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change, seen=seen,
                           vouched=vouched)
-    record.note(m)
+    record.note(m, seen)
     note_membership(cfg.name, cfg.uuid, m.gen, home)
     return m
 

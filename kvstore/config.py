@@ -590,11 +590,12 @@ def compose_membership(local: LocalConfig, home: Path | None = None, *, torn_ok:
         raise DeviceMismatch(f"{store_path(local.name, home)} pins no administrator key: join the store with "
                              f"'mass-ctl kvcache connect {local.name} --device PATH [--admin-key HEX]'")
     record = seen_record(local.name, home)
+    seen = record.load()
     m = read_membership(local.devices, store_uuid=uuidlib.UUID(local.uuid).bytes,
                         admin_key=bytes.fromhex(local.admin_key), min_gen=seen_membership(local.name, local.uuid, home),
-                        seen=record.load(), torn_ok=torn_ok, vouched=vouched)
+                        seen=seen, torn_ok=torn_ok, vouched=vouched)
     note_membership(local.name, local.uuid, m.gen, home)
-    record.note(m)
+    record.note(m, seen)
     import zmq.utils.z85
 
     members = [(x.name, x.sync, zmq.utils.z85.encode(x.public_key).decode() if x.public_key else "", x.denied)

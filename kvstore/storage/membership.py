@@ -342,10 +342,11 @@ class SeenRecord:
             return {}
         return out
 
-    def note(self, m: Membership) -> None:
+    def note(self, m: Membership, old: Mapping[str, Superblock] | None = None) -> None:
         """Record ``m``'s superblocks if any is newer than the record's (best effort: a reader
-        without write access to MASS_HOME records nothing)."""
-        old = self.load()
+        without write access to MASS_HOME records nothing). ``old``: the record as the caller
+        just loaded it for ``read_membership`` (read again when not given)."""
+        old = self.load() if old is None else old
         if all(p in old and (old[p].store_uuid, old[p].admin_key) == (sb.store_uuid, sb.admin_key)
                and old[p].generation >= sb.generation and old[p].membership_gen >= sb.membership_gen
                for p, sb in zip(m.paths, m.sbs)):
