@@ -26,8 +26,8 @@ from pathlib import Path
 import zmq.utils.z85
 
 from .config import (ADDRESS_RE, LocalConfig, ServerConfig, ServiceConfig, StoreConfig, SyncConfig, WorkerConfig,
-                     admin_key_path, check_address, check_name, compose_store, key_path, load_local, load_store,
-                     mass_home, note_membership, save_store, seen_record, store_path)
+                     admin_key_path, check_address, check_name, compose_membership, compose_store, key_path,
+                     load_local, load_store, mass_home, note_membership, save_store, seen_record, store_path)
 from .errors import DeviceMismatch, NotAllowed, StoreNotFound
 from .storage.membership import (AdminKey, Membership, change_membership, fingerprint, raw_device_indexes,
                                  read_membership)
@@ -249,11 +249,11 @@ def allow_server(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str |
     """Give ``spec`` an area (``_allow``), holding this machine's administrator lock and
     deciding from the membership read under it (two allows at once never take one area)."""
     with admin_lock(cfg.name, home):
-        cfg = load_store(cfg.name, home, torn_ok=True)
-        return _allow(home, cfg, spec, reuse=reuse, events=events, metrics=metrics, update=update)
+        cfg, m = compose_membership(load_local(cfg.name, home), home, torn_ok=True)
+        return _allow(home, cfg, m, spec, reuse=reuse, events=events, metrics=metrics, update=update)
 
 
-def _allow(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str | None = None,
+def _allow(home: Path, cfg: StoreConfig, m: Membership, spec: ServerSpec, *, reuse: str | None = None,
            events: str = "", metrics: str = "", update: bool = False) -> tuple[StoreConfig, int, bool]:
     """Give ``spec`` a spare area (or its own area back if it was denied, or a denied server's
     area with ``reuse``) on every device, signed; with ``update``, change an allowed server's
@@ -281,8 +281,6 @@ def _allow(home: Path, cfg: StoreConfig, spec: ServerSpec, *, reuse: str | None 
     elif allowed:
         raise NotAllowed(f"server {name!r} is already allowed on store {cfg.name!r} (--update changes its "
                          "sync address or key)")
-    m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin_key=admin.public,
-                        seen=seen_record(cfg.name, home).load(), torn_ok=True)
     if reuse is not None:
         ri = cfg.server_index(reuse)
         if not cfg.servers[ri].denied:
@@ -362,25 +360,26 @@ def _deny(home: Path, cfg: StoreConfig, name: str) -> tuple[StoreConfig, int]:
     return compose_store(load_local(cfg.name, home), home), index
 
 
-def repair_store(home: Path, cfg: StoreConfig, vouched: Sequence[str] = ()) -> tuple[Membership, tuple[int, ...]]:
-    """Rewrite every device whose superblock is torn, rolled back (replayed) or lagging, from
-    the newest membership this machine has verified, signed at the next generation; the
-    membership itself does not change. Returns the new membership and the devices rewritten
-    (empty: nothing to repair, nothing written). ``vouched`` paths are rewritten even when their
-    blocks no longer name the device (a wiped superblock): the operator vouches for the path.
+def repair_store(home: Path, store: str, vouched: Sequence[str] = ()) -> tuple[Membership, tuple[int, ...]]:
+    """Rewrite every device of ``store`` whose superblock is torn, rolled back (replayed),
+    lagging, missing a copy or split, from the newest membership this machine has verified,
+    signed at the next generation; the membership itself does not change. Returns the new
+    membership and the devices rewritten (empty: nothing to repair, nothing written).
+    ``vouched`` paths are rewritten even when their blocks no longer name the device (a wiped
+    superblock): the operator vouches for the path.
 
     Raises:
         NotAllowed: no administrator key here. DeviceMismatch: a device no record covers.
+        ValueError: a vouched path that is not one of the store's devices.
     """
-    with admin_lock(cfg.name, home):
-        cfg = load_store(cfg.name, home, torn_ok=True, vouched=vouched)
-        admin = _admin(cfg, home)
-        unknown = sorted(set(vouched) - set(cfg.devices))
+    with admin_lock(store, home):
+        local = load_local(store, home)
+        unknown = sorted(set(vouched) - set(local.devices))
         if unknown:
-            raise ValueError(f"--force {', '.join(unknown)}: not a device of store {cfg.name!r} "
-                             f"({', '.join(cfg.devices)})")
-        m = read_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin_key=admin.public,
-                            seen=seen_record(cfg.name, home).load(), torn_ok=True, vouched=vouched)
+            raise ValueError(f"--force {', '.join(unknown)}: not a device of store {store!r} "
+                             f"({', '.join(local.devices)})")
+        cfg, m = compose_membership(local, home, torn_ok=True, vouched=vouched)
+        admin = _admin(cfg, home)
         if not m.damaged:
             return m, ()
         return _change(home, cfg, admin, lambda areas: areas, vouched), m.damaged

@@ -254,23 +254,16 @@ def cmd_deny(a: argparse.Namespace) -> int:
 def cmd_repair(a: argparse.Namespace) -> int:
     from .admin import repair_store
 
-    from .config import load_local
-
     home = mass_home()
-    vouched = [os.path.abspath(p) for p in a.force or []]
-    local = load_local(a.store, home)
-    unknown = sorted(set(vouched) - set(local.devices))
-    if unknown:
-        raise ValueError(f"--force {', '.join(unknown)}: not a device of store {a.store!r} ({', '.join(local.devices)})")
-    cfg = load_store(a.store, home, torn_ok=True, vouched=vouched)
-    m, fixed = repair_store(home, cfg, vouched)
+    check_name(a.store, "store")
+    m, fixed = repair_store(home, a.store, [os.path.abspath(p) for p in a.force or []])
     if not fixed:
-        print(f"store {cfg.name}: every device's superblock verifies at membership generation {m.gen}; nothing "
+        print(f"store {a.store}: every device's superblock verifies at membership generation {m.gen}; nothing "
               "to repair")
         return EXIT_OK
     print(f"rewrote the superblocks of device(s) {', '.join(m.paths[i] for i in fixed)} from the membership this "
           f"machine last verified (now generation {m.gen})")
-    return EXIT_FAIL if _tell_running(load_store(cfg.name, home), home, m.gen, a.timeout) else EXIT_OK
+    return EXIT_FAIL if _tell_running(load_store(a.store, home), home, m.gen, a.timeout) else EXIT_OK
 
 
 def cmd_keygen(a: argparse.Namespace) -> int:
@@ -318,7 +311,7 @@ def cmd_connect(a: argparse.Namespace) -> int:
         raise AlreadyRunning(f"a service of store {cfg.name!r} as server {server!r} already runs here "
                              f"(pid {_running(cfg.name, server, home)})")
     if a.metrics is not None or a.events is not None:
-        _set_hosted(home, a.store, server, a.metrics, a.events)
+        _set_hosted(home, cfg, server, a.metrics, a.events)
         cfg = load_store(a.store, home)
     if a.daemon:
         import subprocess
@@ -350,16 +343,15 @@ def cmd_connect(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _problem(m: Any, i: int) -> str:
-    """What is wrong with device ``i`` of membership ``m`` (``Membership.damaged``), in words."""
-    what = ("torn: no superblock copy verifies; read from this machine's record" if i in m.torn else
+def _device_problem(m: Any, i: int) -> str:
+    """What is wrong with device ``i`` of membership ``m`` (one of ``Membership.damaged``), in words."""
+    return ("torn: no superblock copy verifies; read from this machine's record" if i in m.torn else
             "rolled back: it holds an older membership than this machine has verified (a replayed or restored "
             "superblock)" if i in m.rolled_back else
             "split: its membership differs from another device's at the same generation (two changes at once)"
             if i in m.split else
             "one superblock copy does not verify (torn, forged or another device's); the other does"
             if i in m.degraded else "lagging: a change did not reach it")
-    return f"device {i} ({m.paths[i]}): {what}; 'mass-ctl kvcache repair' on the administrator's machine rewrites it"
 
 
 def _answers(store: str, server: str, home: Path) -> bool:
@@ -387,27 +379,23 @@ def _last_error(logp: Path, since: int) -> str:
     return f": {errs[-1]}" if errs else ""
 
 
-def _set_hosted(home: Path, store: str, server: str | None, metrics: str | None, events: str | None) -> None:
-    """Record this host's metrics/events addresses of a server in its own config ('' removes one)."""
+def _set_hosted(home: Path, cfg: StoreConfig, name: str, metrics: str | None, events: str | None) -> None:
+    """Record this host's metrics/events addresses of server ``name`` in its own config ('' removes
+    one), refused if another server (or its own sync) takes the port."""
+    from .admin import check_collisions, claims_of
     from .config import load_local
 
-    cfg = load_store(store, home)
-    name = _pick_server(cfg, server, home)
-    local = load_local(store, home)
+    local = load_local(cfg.name, home)
     h = dict(local.hosted.get(name, {}))
     for what, value, max_port in (("metrics", metrics, 65535), ("events", events, 65534)):
         if value:
             h[what] = check_address(value, f"--{what}", max_port)
         elif value is not None:  # --metrics '': off
             h.pop(what, None)
-    hosted = {**local.hosted, name: h}
-    from .admin import Claims, check_collisions, claims_of
-
-    # nothing this server listens on may be what another server (or its own sync) takes
+    me = cfg.servers[cfg.server_index(name)]
     check_collisions([claims_of(s) for s in cfg.servers if not s.denied and s.name != name]
-                     + [Claims(name, cfg.servers[cfg.server_index(name)].sync,
-                               cfg.servers[cfg.server_index(name)].public_key, h.get("events", ""),
-                               h.get("metrics", ""))])
+                     + [claims_of(dataclasses.replace(me, events=h.get("events", ""), metrics=h.get("metrics", "")))])
+    hosted = {**local.hosted, name: h}
     save_store(dataclasses.replace(local, hosted={n: x for n, x in hosted.items() if x}), home)
 
 
@@ -440,7 +428,8 @@ def _status_once(a: argparse.Namespace) -> int:
     problems: list[str] = []
     try:  # status works whatever one device holds: it says which device is bad, and shows the services
         cfg, m = compose_membership(local, home, torn_ok=True)
-        problems = [_problem(m, i) for i in m.damaged]
+        problems = [f"device {i} ({m.paths[i]}): {_device_problem(m, i)}; 'mass-ctl kvcache repair' on the "
+                    "administrator's machine rewrites it" for i in m.damaged]
         names = [s.name for s in cfg.servers]
         denied = {s.name for s in cfg.servers if s.denied}
         page = cfg.page_size
@@ -584,13 +573,10 @@ def cmd_show(a: argparse.Namespace) -> int:
                                 for x in sb.areas]})
         except KVStoreError as err:
             e["error"] = str(err)
-        if i in m.torn:
-            e["problem"] = "torn: no superblock copy verifies; the membership shown is this machine's record"
-        elif i in m.rolled_back:
-            e["problem"] = (f"rolled back: it holds membership generation {e.get('membership_generation')}, this "
-                            f"machine has verified {cfg.membership_gen} (a replayed or restored superblock)")
-        elif i in m.split or i in m.degraded:
-            e["problem"] = _problem(m, i).split(": ", 1)[1].split("; 'mass-ctl")[0]
+        if i in (*m.torn, *m.rolled_back, *m.split, *m.degraded):  # lagging alone has its own mark below
+            e["problem"] = _device_problem(m, i) + (
+                f" (the device holds generation {e.get('membership_generation')}, this machine has verified "
+                f"{cfg.membership_gen})" if i in m.rolled_back else "")
         devices.append(e)
     mine = local_keys(cfg.name, home)
     from .tui.source import read_service, with_remote
@@ -687,6 +673,12 @@ def cmd_quickstart(a: argparse.Namespace) -> int:
     return run_quickstart(pages=a.pages, page_size=parse_size(a.page_size, name="--page-size"))
 
 
+def _wait_option(c: argparse.ArgumentParser) -> None:
+    """--timeout of a membership change: how long it waits for this machine's services."""
+    c.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for running services here to apply it (default 10)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mass-ctl", description="Manage kvstore KV-cache stores.",
@@ -742,8 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give NAME the area of the denied server DENIED (and the pages in it) instead of a "
                         "spare area; DENIED must be stopped on every machine first, since two writers of one "
                         "area turn each other's pages into misses")
-    c.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds to wait for running services here to apply it (default 10)")
+    _wait_option(c)
     c.set_defaults(fn=cmd_allow)
 
     c = ks.add_parser("deny", help="cut a server off a store: revoke its key, stop reading its area",
@@ -757,8 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(NVMe-oF host NQN). docs/SECURITY.md, docs/OPERATIONS.md.")
     c.add_argument("store")
     c.add_argument("server", metavar="NAME")
-    c.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds to wait for running services here to apply it (default 10)")
+    _wait_option(c)
     c.set_defaults(fn=cmd_deny)
 
     c = ks.add_parser("repair", help="rewrite torn or replayed superblocks from the last verified membership",
@@ -774,8 +764,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="append", metavar="PATH",
                    help="rewrite this device even though its blocks no longer name the store's device at this path "
                         "(a wiped superblock): you vouch that PATH is that device; repeatable")
-    c.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds to wait for running services here to apply it (default 10)")
+    _wait_option(c)
     c.set_defaults(fn=cmd_repair)
 
     c = ks.add_parser("connect", help="run this server's cache service in the foreground",
