@@ -20,28 +20,11 @@ from kvstore.quickstart import page_bytes
 from kvstore.testing import ServiceProcess, free_port_pair, make_store, wait_for
 
 from .test_membership import ctl, keygen
-from .test_multiserver import PS, keys_of, stats
+from .test_multiserver import PS, keys_of, read_all, stats
 
 pytestmark = pytest.mark.integration
 
 STEPS = int(os.environ.get("KVS_TORTURE_STEPS", "14"))
-
-
-def check(home: Path, server: str, keys: list[bytes]) -> tuple[int, int, int]:
-    """(hits, misses, wrong) reading ``keys`` on ``server``'s service."""
-    hits = misses = wrong = 0
-    with KVCacheClient.connect("m", server=server, home=home, timeout=30) as c:
-        for s in range(0, len(keys), c.max_batch):
-            ks = keys[s:s + c.max_batch]
-            with c.get(ks) as b:
-                for k, v in zip(ks, b):
-                    if v is None:
-                        misses += 1
-                    elif bytes(v) == page_bytes(k, PS).tobytes():
-                        hits += 1
-                    else:
-                        wrong += 1
-    return hits, misses, wrong
 
 
 @pytest.mark.parametrize("seed", [int(os.environ.get("KVS_TORTURE_SEED", "7"))])
@@ -75,7 +58,7 @@ def test_membership_torture(home: Path, file_devices: Any, seed: int) -> None:
                 stop.wait(0.05)
                 continue
             try:
-                _, _, w = check(homes[(n := r.choice(live))], n, r.sample(keys, min(32, len(keys))))
+                _, _, w = read_all(homes[(n := r.choice(live))], n, r.sample(keys, min(32, len(keys))))
             except KVStoreError:
                 continue  # stopped or denied under us: a miss, never wrong data
             if w:
@@ -130,12 +113,12 @@ def test_membership_torture(home: Path, file_devices: Any, seed: int) -> None:
         expect = [k for x, ks in saved.items() if allowed[x] for k in ks]
         gone = [k for x, ks in saved.items() if not allowed[x] for k in ks]
         for n, s in svcs.items():
-            if not wait_for(lambda: check(homes[n], n, expect)[0] == len(expect), 60):
+            if not wait_for(lambda: read_all(homes[n], n, expect)[0] == len(expect), 60):
                 with KVCacheClient.connect("m", server=n, home=homes[n]) as c:
                     missing = sorted({k.decode().split("/")[0] for k, hit in zip(expect, c.contains(expect))
                                       if not hit})
-                pytest.fail(f"{n} misses pages of {missing}: {check(homes[n], n, expect)}; steps {log}")
-            assert check(homes[n], n, gone) == (0, len(gone), 0), (n, log)
+                pytest.fail(f"{n} misses pages of {missing}: {read_all(homes[n], n, expect)}; steps {log}")
+            assert read_all(homes[n], n, gone) == (0, len(gone), 0), (n, log)
             assert stats(s).validation_failures == 0
         # the membership every machine reads is the administrator's last
         want = [(x, not allowed[x]) for x in ("a", "b", "c")]
