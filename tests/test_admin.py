@@ -168,9 +168,11 @@ def test_create_mistakes_name_the_item(home: Path, monkeypatch: pytest.MonkeyPat
              f"device {dev} is given twice"),
             (["--device", dev, "--device-size", "16MiB", "--server", "a=127.0.0.1:7000", "--server",
               "a=127.0.0.1:7002"], "server name(s) a listed twice"),
-            (["--device", dev, "--device-size", "1MiB", "--server", "a"], f"{dev}: device of 1048576 bytes is too small"),
+            (["--device", dev, "--device-size", "1MiB", "--server", "a"],
+             f"{dev}: device of 1048576 bytes is too small"),
             (["--device", str(home), "--server", "a"], f"device {home} is a directory"),
-            (["--device", "/dev/null", "--server", "a"], "device /dev/null is neither a block device nor a regular file")]:
+            (["--device", "/dev/null", "--server", "a"],
+             "device /dev/null is neither a block device nor a regular file")]:
         assert main(base + args) in (2, 4), args
         assert msg in capsys.readouterr().err, args
         assert not Path(dev).exists()  # nothing left behind

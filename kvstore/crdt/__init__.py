@@ -5,7 +5,7 @@
 validated on decode), ``log.py`` (an owner's delta log for anti-entropy),
 ``transport.py`` (CurveZMQ sockets and the authenticator), ``keys.py`` (each
 server's CurveZMQ keypair, and the rule that a machine serves a server only with
-its private key), ``agent.py`` (the sync agent process). Uses ``kvstore.shm`` and ``kvstore.config``; the
-supervisor (``kvstore.service``) applies merges, nothing here writes the slot
-table except through ``merge.apply``.
+its private key), ``agent.py`` (the sync agent process). Uses ``kvstore.shm`` and
+``kvstore.config``; the supervisor (``kvstore.service``) applies merges, nothing here
+writes the slot table except through ``merge.apply``.
 """

@@ -69,8 +69,7 @@ class SyncLink:
         # seq 0 then learns of pages saved in an earlier run but never published (stopped or
         # killed right after a save), which no other log holds. An area larger than the log
         # wraps it, and such a peer is answered with a snapshot instead (``_queue_answer``).
-        own = [registers_of(slots, smap, d, area) for d in range(smap.n_devices)]
-        self.log.append(np.concatenate(own) if own else np.zeros(0, dtype=REGISTER_DTYPE))
+        self.log.append(np.concatenate([registers_of(slots, smap, d, area) for d in range(smap.n_devices)]))
 
     def publish(self, updates: list[tuple[int, Any]]) -> None:
         """Record own registers, as captured when they changed, as updates and offer them to the agent.

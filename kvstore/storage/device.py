@@ -157,5 +157,5 @@ def format_device(path: str, *, store_uuid: bytes, store_name: str, page_size: i
     return sb
 
 
-__all__ = ["Area", "decode_copies", "device_size", "format_device", "open_direct", "read_blocks", "read_copies", "read_superblock", "valid_copies",
-           "write_superblock"]
+__all__ = ["Area", "decode_copies", "device_size", "format_device", "open_direct", "read_blocks", "read_copies",
+           "read_superblock", "valid_copies", "write_superblock"]
