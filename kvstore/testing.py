@@ -282,8 +282,12 @@ class Network:
 
 
 def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-                    head_dim: int = 64, intermediate: int | None = None, vocab: int = 1024, seed: int = 0) -> Path:
+                    head_dim: int = 64, intermediate: int | None = None, vocab: int = 1024, seed: int = 0,
+                    sliding_window: int | None = None) -> Path:
     """Save a random-weight Llama (bfloat16) and an offline word-level tokenizer under ``path``.
+
+    With ``sliding_window`` it is a Mistral whose every layer attends to that many tokens
+    (Mistral-7B-v0.1's shape: vLLM gives it one sliding-window KV cache group).
 
     For tests and benchmarks of the engine adapters without any download: tokens are
     ``w3 .. w{vocab-1}``; ``initializer_range=0.2`` gives peaked logits, so greedy tokens do
@@ -292,16 +296,21 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, heads: in
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      max_position_embeddings=16384, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-                      tie_word_embeddings=False)
-    model: Any = LlamaForCausalLM(cfg)
+    kw: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                              head_dim=head_dim, max_position_embeddings=16384, initializer_range=0.2, bos_token_id=1,
+                              eos_token_id=2, tie_word_embeddings=False)
+    model: Any
+    if sliding_window:
+        model = MistralForCausalLM(MistralConfig(**kw, sliding_window=sliding_window,
+                                                 layer_types=["sliding_attention"] * layers))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
     model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}

@@ -41,9 +41,27 @@ What it does (logic in ``vllm_mapping.py``):
   blocks can be reused (``handle_preemptions``). With ``async_save: false``
   the copy happens in ``wait_for_save`` and only the device writes finish in
   the background.
+* **Never a placeholder block.** A page is saved only when every block of it
+  holds that page's KV: pages with vLLM's null block (a sliding-window
+  manager's placeholder where the window has passed) are skipped, and so are
+  pages of a sliding-window cache whose blocks vLLM may already have freed
+  (their copies are made in ``wait_for_save``, before the next step can hand
+  the blocks to another request); loads never read a page only null blocks
+  would receive. Pages the store held at lookup are never copied out again.
+* ``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
+  loads, ``kv_both`` does both.
+* ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, as RL
+  loops call after a weight update) moves this engine's keys to a fresh
+  namespace: nothing saved before is loaded again, nothing of a request that
+  started before is saved. The model id stays as configured for engines
+  started later: give ``model_id`` a weights identity when weights change
+  under one name.
+* Tensor parallelism: each rank saves and loads its own heads under its own
+  key (``rank_key``), derived from the scheduler's.
 * Hybrid models (several KV cache groups) are not supported: the connector
   does not implement ``SupportsHMA``, so vLLM turns its hybrid allocator off;
-  a model that still needs several groups is refused at start.
+  a model that still needs several groups is refused at start, and so is a
+  cache type other than full or sliding-window attention.
 """
 
 from __future__ import annotations
@@ -87,6 +105,14 @@ def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any]:
         if not hasattr(spec, attr):
             raise ValueError(f"the kvstore connector moves attention KV caches; this model's cache is "
                              f"{type(spec).__name__}")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, SlidingWindowSpec
+
+    # full attention keeps every block until the request ends; a sliding window frees a prefix of
+    # them as it moves on (handled: SchedulerSide); anything else frees or reuses blocks in ways
+    # the connector does not track, and could be saved from a block that is no longer the request's
+    if isinstance(spec, RSWASpec) or not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+        raise ValueError(f"the kvstore connector moves full-attention and sliding-window KV caches; this "
+                         f"model's cache is {type(spec).__name__}")
     backends = get_current_attn_backends(vllm_config)
     names = sorted({b.get_name() for b in backends})
     if len(names) != 1:
@@ -112,6 +138,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         page_tokens = int(extra.get("page_tokens", self.block_size))
         backend, spec = _expected_layout(vllm_config, kv_cache_config)
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        window = None
+        if isinstance(spec, SlidingWindowSpec):
+            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         self.expected = (backend, str(spec.dtype).removeprefix("torch."), int(spec.page_size_bytes))
         layout = (f"vllm:{backend}:{self.expected[1]}:block{spec.block_size}:"
                   f"{spec.num_kv_heads}x{spec.head_size}:{self.expected[2]}B")
@@ -121,15 +152,27 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             tp_rank = get_tensor_model_parallel_rank()
         else:
-            tp_rank = 0  # the scheduler asks with rank 0's keys; every rank saves the same pages
+            tp_rank = 0  # the scheduler plans with rank 0's keys; each worker derives its rank's (rank_key)
         self.ns = KeyNamespace(model_id, self.expected[1], mc.get_num_layers(pc), max(1, int(spec.num_kv_heads)),
                                int(spec.head_size), page_tokens, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
                                tenant=str(extra.get("tenant", "")), layout=layout)
         self._connect = lambda: KVCacheClient.connect(extra["store"], server=extra.get("server"),
                                                       home=extra.get("mass_home"))
         self.client = self._connect()
-        self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup)
+        from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+        # kv_role: a producer (P/D prefill side) never loads, a consumer (decode side) never saves
+        self.loads, self.saves = bool(tc.is_kv_consumer), bool(tc.is_kv_producer)
+        self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup, null_block=NULL_BLOCK_ID,
+                                       sliding_window=window, load=self.loads, save=self.saves)
+        self.tp_rank = tp_rank
         self.async_save = bool(extra.get("async_save", True))
+        if window is not None and self.async_save:
+            # vLLM frees a running request's out-of-window blocks at the next step's scheduling and
+            # may hand them to another request: a page is copied out before that step runs
+            log.info("kvstore: sliding-window cache, pages are copied out in wait_for_save "
+                     "(device writes stay asynchronous)", window=window)
+            self.async_save = False
         self.async_load = bool(extra.get("async_load", True))
         self.worker: WorkerSide | None = None
         self.saver: AsyncSaver | None = None
@@ -164,14 +207,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         scheduled = scheduler_output.num_scheduled_tokens
         for req in scheduler_output.scheduled_new_reqs:
             self.scheduler.schedule(req.req_id, req.prompt_token_ids, req.block_ids[0], True,
-                                    req.num_computed_tokens + scheduled.get(req.req_id, 0))
+                                    req.num_computed_tokens, req.num_computed_tokens + scheduled.get(req.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
             self.scheduler.schedule(rid, None, nb[0] if nb is not None else None, rid in cached.resumed_req_ids,
-                                    cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+                                    cached.num_computed_tokens[i], cached.num_computed_tokens[i] + scheduled.get(rid, 0))
         self.scheduler.preempted(getattr(scheduler_output, "preempted_req_ids", None))
         return KVStoreConnectorMetadata(self.scheduler.build_plan())
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update): no page saved
+        before is loaded again by this engine (``SchedulerSide.reset``)."""
+        self.scheduler.reset()
+        log.info("kvstore connector: cache reset; keys are under a fresh namespace", resets=self.scheduler.resets)
+        return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # with asynchronous saves, vLLM keeps the blocks until get_finished reports the saves done
@@ -192,13 +242,15 @@ class KVStoreConnector(KVConnectorBase_V1):
                              f"(expected backend {backend}, {dtype}, {block_bytes} bytes per layer and block)")
         self.layout = layout
         bpp = self.ns.page_tokens // self.block_size
-        self.worker = WorkerSide(self.client, layout, self.block_size, bpp, kv_caches)
-        if self.async_save:  # its own connection: a save in progress never holds up a load
+        self.worker = WorkerSide(self.client, layout, self.block_size, bpp, kv_caches, self.tp_rank)
+        if self.async_save and self.saves:  # its own connection: a save in progress never holds up a load
             self.save_client = self._connect()
-            self.saver = AsyncSaver(WorkerSide(self.save_client, layout, self.block_size, bpp, kv_caches))
-        if self.async_load:
+            self.saver = AsyncSaver(WorkerSide(self.save_client, layout, self.block_size, bpp, kv_caches,
+                                               self.tp_rank))
+        if self.async_load and self.loads:
             self.load_client = self._connect()
-            self.loader = AsyncLoader(WorkerSide(self.load_client, layout, self.block_size, bpp, kv_caches))
+            self.loader = AsyncLoader(WorkerSide(self.load_client, layout, self.block_size, bpp, kv_caches,
+                                                 self.tp_rank))
         log.info("kvstore connector registered the KV cache", layout=layout.name, layers=len(kv_caches),
                  page_bytes=self.worker.page_bytes)
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import queue
+import secrets
 import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import structlog
@@ -43,6 +44,10 @@ from ..client import KVCacheClient
 from ..keys import KeyNamespace, page_keys
 
 log = structlog.get_logger(__name__)
+
+NULL_BLOCK = 0
+"""vLLM's null block (``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``): the placeholder its
+sliding-window manager puts in a block table where the window has passed; never KV."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,15 @@ def layout_of(kv_caches: Mapping[str, torch.Tensor], backend: str, block_size: i
     return Layout(backend, str(dtypes.pop()).removeprefix("torch."), tuple(shapes), per_block.pop())
 
 
+def rank_key(key: bytes, tp_rank: int) -> bytes:
+    """The key of tensor-parallel rank ``tp_rank``'s part of the page keyed ``key`` (rank 0's key).
+
+    The scheduler plans with rank 0's keys; each other rank holds other heads of the same tokens
+    and saves and loads them under its own key, derived here (a rank whose page is missing
+    reports a load error, and vLLM recomputes those blocks)."""
+    return hashlib.blake2b(key + tp_rank.to_bytes(4, "little"), digest_size=len(key), person=b"kvstore-tprank").digest()
+
+
 @dataclass(frozen=True)
 class PageTransfer:
     """Pages of one request and the vLLM blocks they map to.
@@ -130,54 +144,88 @@ class _Req:
 class SchedulerSide:
     """Scheduler-side bookkeeping.
 
-    Invariant: a load never writes a block below the request's computed prefix
-    (vLLM already holds those), and a save names only pages whose every token
-    is computed once the step it is planned in has run.
+    Invariants: a load never writes a block below the request's computed prefix
+    (vLLM already holds those) nor vLLM's null block; a save names only pages
+    whose every block holds the KV of that page's tokens once the step it is
+    planned in has run: never a page with a null (placeholder) block, never a
+    page of a sliding-window cache that vLLM may already have freed, and never
+    a page the store was seen to hold.
+
+    ``sliding_window`` (tokens) is set for a cache whose blocks vLLM frees as the
+    window moves on (its ``SlidingWindowSpec``); such pages are saved only while
+    every block is still the request's, and the workers must copy them out
+    before the next step (the connector makes those copies synchronous).
+    ``load``/``save`` follow vLLM's ``kv_role`` (a producer never loads, a
+    consumer never saves).
     """
 
-    def __init__(self, ns: KeyNamespace, block_size: int, lookup: Callable[[list[bytes]], int]) -> None:
+    def __init__(self, ns: KeyNamespace, block_size: int, lookup: Callable[[list[bytes]], int], *,
+                 null_block: int = NULL_BLOCK, sliding_window: int | None = None, load: bool = True,
+                 save: bool = True) -> None:
         if ns.page_tokens % block_size:
             raise ValueError(f"page_tokens ({ns.page_tokens}) must be a multiple of vLLM's block_size ({block_size})")
         self.ns = ns
         self.block_size = block_size
         self.bpp = ns.page_tokens // block_size
         self.lookup = lookup
+        self.null_block = null_block
+        self.window = sliding_window
+        self.load, self.save = load, save
         self._matched: dict[str, tuple[int, int, list[bytes]]] = {}  # req -> (computed, first page, keys)
         self._plan = StepPlan()
         self._reqs: dict[str, _Req] = {}
         self._loaded: dict[str, int] = {}  # req -> pages known stored after its planned load
-        self._salts: dict[str, bytes] = {}  # req -> chain root under its cache salt
+        self._stored: dict[str, int] = {}  # req -> leading pages the store held when it was looked up
+        self._salts: dict[str, str] = {}  # req -> its cache salt
         self.saving: set[str] = set()  # requests with saves planned (their blocks are freed only once saved)
+        self.resets = 0
+        self.skipped_saves = 0  # pages not saved: a null block in them, or out of the sliding window
 
     def note_request(self, req_id: str, cache_salt: str | None) -> None:
         """A request arrived; pages of a request with a cache salt (vLLM's per-user isolation of
         its prefix cache) are keyed under a root that mixes the salt in."""
         if cache_salt:
-            self._salts[req_id] = hashlib.blake2b(self.ns.root() + cache_salt.encode(), digest_size=32,
-                                                  person=b"kvstore-salt").digest()
+            self._salts[req_id] = cache_salt
 
     def _keys(self, req_id: str, tokens: Sequence[int]) -> list[bytes]:
-        return page_keys(self.ns, list(tokens), parent=self._salts.get(req_id))
+        salt = self._salts.get(req_id)
+        parent = None if salt is None else hashlib.blake2b(self.ns.root() + salt.encode(), digest_size=32,
+                                                           person=b"kvstore-salt").digest()
+        return page_keys(self.ns, list(tokens), parent=parent)
+
+    def reset(self) -> None:
+        """vLLM reset its prefix cache (``reset_prefix_cache(reset_connector=True)``, as RL loops do
+        after a weight update): from now on every key is under a fresh namespace, so no page
+        saved before (by this engine or any other) is ever loaded again, and nothing of a
+        request that started before is saved (its KV may be of the old weights). O(1): the
+        old pages are not touched; the store evicts them as it reuses space."""
+        self.resets += 1
+        self.ns = replace(self.ns, model_id=f"{self.ns.model_id}#reset:{secrets.token_hex(16)}")
+        self._matched.clear()
+        self._reqs.clear()
+        self._loaded.clear()
+        self._stored.clear()
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (block aligned) that can be loaded; 0 on any error.
 
         The load starts in the page holding token ``num_computed_tokens``, so a page that
-        vLLM's prefix cache covers in part still loads the rest."""
+        vLLM's prefix cache covers in part still loads the rest. The store's answer is also
+        kept for the saves: pages it holds are never copied out again."""
         T = self.ns.page_tokens
         self._matched.pop(req_id, None)
-        if num_computed_tokens % self.block_size:
+        whole = len(prompt) // T
+        if not whole:
             return 0
-        usable = (len(prompt) - 1) // T * T  # vLLM must compute at least one prompt token
-        if usable <= num_computed_tokens:
-            return 0
-        keys = self._keys(req_id, prompt[:usable])
+        keys = self._keys(req_id, prompt[:whole * T])
         try:
             n = self.lookup(keys)
         except Exception as e:
             log.warning("kvstore lookup failed; computing", error=repr(e))
             return 0
-        if n * T <= num_computed_tokens:
+        self._stored[req_id] = n
+        n = min(n, (len(prompt) - 1) // T)  # vLLM must compute at least one prompt token
+        if not self.load or num_computed_tokens % self.block_size or n * T <= num_computed_tokens:
             return 0
         first = num_computed_tokens // T
         self._matched[req_id] = (num_computed_tokens, first, keys[first:n])
@@ -193,7 +241,7 @@ class SchedulerSide:
         start_blk, end_blk = computed // bs, (computed + num_external_tokens) // bs
         if end_blk > len(block_ids) or (num_external_tokens % bs):
             log.warning("load does not fit the request's blocks; they are recomputed", req=req_id)
-            self._plan.failed[req_id] = tuple(block_ids[start_blk:end_blk])
+            self._plan.failed[req_id] = tuple(b for b in block_ids[start_blk:end_blk] if b != self.null_block)
             return
         pk, pb, pf = [], [], []
         for i, key in enumerate(keys):
@@ -201,6 +249,10 @@ class SchedulerSide:
             lo, hi = max(start_blk, p * self.bpp), min(end_blk, (p + 1) * self.bpp)
             if lo >= hi:
                 break
+            while lo < hi and block_ids[lo] == self.null_block:  # out of the sliding window: vLLM keeps
+                lo += 1                                           # no KV there, the page is not read
+            if lo == hi:
+                continue
             pk.append(key)
             pb.append(tuple(block_ids[lo:hi]))
             pf.append(lo - p * self.bpp)
@@ -210,28 +262,40 @@ class SchedulerSide:
             self._loaded[req_id] = (computed + num_external_tokens) // T
 
     def schedule(self, req_id: str, prompt: Sequence[int] | None, block_ids: Sequence[int] | None,
-                 replace_blocks: bool, computed_after_step: int) -> None:
+                 replace_blocks: bool, computed_before_step: int, computed_after_step: int) -> None:
         """A request runs this step: track its blocks (``replace_blocks`` for a new or resumed
         request, else ``block_ids`` are appended) and plan the save of the prompt pages
         this step completes."""
         r = self._reqs.get(req_id)
         if r is None:
             if prompt is None:
-                return  # not seen as new (e.g. started before the connector knew it): nothing to save
+                return  # not seen as new (started before the connector knew it, or before a reset)
             r = self._reqs[req_id] = _Req(list(prompt), [])
         if block_ids is not None:
             r.blocks = list(block_ids) if replace_blocks else r.blocks + list(block_ids)
-        r.saved = max(r.saved, self._loaded.pop(req_id, 0))
-        T = self.ns.page_tokens
+        r.saved = max(r.saved, self._loaded.pop(req_id, 0), self._stored.pop(req_id, 0))
+        T, bpp = self.ns.page_tokens, self.bpp
         done = min(computed_after_step, len(r.prompt)) // T
-        done = min(done, len(r.blocks) // self.bpp)
-        if done <= r.saved:
+        done = min(done, len(r.blocks) // bpp)
+        if not self.save or done <= r.saved:
             return
-        keys = self._keys(req_id, r.prompt[:done * T])[r.saved:]
-        blocks = tuple(tuple(r.blocks[p * self.bpp:(p + 1) * self.bpp]) for p in range(r.saved, done))
-        self._plan.saves.append(PageTransfer(req_id, tuple(keys), blocks, (0,) * len(keys)))
-        self.saving.add(req_id)
+        # vLLM frees a sliding-window block once the window has passed it (remove_skipped_blocks, with
+        # at most the computed tokens before this step); our block list still names the freed id,
+        # which another request may be writing into: such pages are not saved
+        freed_blocks = max(0, computed_before_step - self.window + 1) // self.block_size if self.window else 0
+        keys = self._keys(req_id, r.prompt[:done * T])
+        pk, pb = [], []
+        for p in range(r.saved, done):
+            blocks = tuple(r.blocks[p * bpp:(p + 1) * bpp])
+            if self.null_block in blocks or p * bpp < freed_blocks:
+                self.skipped_saves += 1
+                continue
+            pk.append(keys[p])
+            pb.append(blocks)
         r.saved = done
+        if pk:
+            self._plan.saves.append(PageTransfer(req_id, tuple(pk), tuple(pb), (0,) * len(pk)))
+            self.saving.add(req_id)
 
     def preempted(self, req_ids: set[str] | None) -> None:
         """Requests preempted this step: the workers finish their saves before the blocks are reused."""
@@ -244,6 +308,7 @@ class SchedulerSide:
         self._matched.pop(req_id, None)
         self._reqs.pop(req_id, None)
         self._loaded.pop(req_id, None)
+        self._stored.pop(req_id, None)
         self._salts.pop(req_id, None)
         if req_id in self.saving:
             self.saving.discard(req_id)
@@ -265,8 +330,9 @@ class WorkerSide:
     """
 
     def __init__(self, client: KVCacheClient, layout: Layout, block_size: int, blocks_per_page: int,
-                 kv_caches: Mapping[str, torch.Tensor]) -> None:
+                 kv_caches: Mapping[str, torch.Tensor], tp_rank: int = 0) -> None:
         self.client = client
+        self.tp_rank = tp_rank
         self.layout = layout
         self.caches = list(kv_caches.values())
         self.r = layout.blocks_per_kernel
@@ -287,6 +353,10 @@ class WorkerSide:
                              "or lower page_tokens")
         self.device = self.caches[0].device
 
+    def _rank_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """This rank's keys for the scheduler's (rank 0's) page keys."""
+        return [rank_key(k, self.tp_rank) for k in keys] if self.tp_rank else list(keys)
+
     def _kernel(self, blocks: Sequence[int]) -> torch.Tensor:
         r = self.r
         ids = [b * r + k for b in blocks for k in range(r)]
@@ -297,7 +367,7 @@ class WorkerSide:
         done = 0
         try:
             while done < len(t.keys):
-                batch = list(t.keys[done:done + self.client.max_batch])
+                batch = self._rank_keys(t.keys[done:done + self.client.max_batch])
                 with self.client.get(batch) as pages, warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
                     for view in pages:
@@ -341,7 +411,7 @@ class WorkerSide:
         try:
             n = 0
             for s in range(0, len(t.keys), self.client.max_batch):
-                keys = list(t.keys[s:s + self.client.max_batch])
+                keys = self._rank_keys(t.keys[s:s + self.client.max_batch])
                 with self.client.reserve(len(keys)) as pages:
                     for j in range(len(keys)):
                         self._fill(torch.frombuffer(pages[j], dtype=torch.uint8), t.block_ids[s + j])

@@ -58,13 +58,14 @@ def test_chunked_prefill_saves_every_page_and_another_instance_loads_from_mid_pa
         assert sa.num_new_matched_tokens("r1", prompt, 0) == 0
         # prefill in chunks of 24 tokens; blocks arrive as the request grows
         saved = []
+        before = 0
         for step, end in enumerate(range(24, len(prompt) + 24, 24)):
             nb = blocks[:(min(end, len(prompt)) + BS - 1) // BS]
             if step == 0:
-                sa.schedule("r1", prompt, nb, True, min(end, len(prompt)))
+                sa.schedule("r1", prompt, nb, True, before, min(end, len(prompt)))
             else:
-                sa.schedule("r1", None, nb[len(prev):], False, min(end, len(prompt)))
-            prev = nb
+                sa.schedule("r1", None, nb[len(prev):], False, before, min(end, len(prompt)))
+            prev, before = nb, min(end, len(prompt))
             saved += sa.build_plan().saves
         assert sum(len(t.keys) for t in saved) == 5      # every whole page, each once
         wa = worker(c, a_kv)
@@ -85,7 +86,7 @@ def test_chunked_prefill_saves_every_page_and_another_instance_loads_from_mid_pa
             assert torch.equal(b_kv[name][b_blocks[1:10]], a_kv[name][blocks[1:10]])
             assert torch.equal(b_kv[name][b_blocks[0]], marker)  # untouched
         # the loaded pages count as stored: B saves none of them again
-        sb.schedule("r9", prompt, b_blocks, True, len(prompt))
+        sb.schedule("r9", prompt, b_blocks, True, 5 * PAGE_TOKENS, len(prompt))
         assert sb.build_plan().saves == []
 
 
@@ -93,9 +94,9 @@ def test_resumed_request_replaces_its_blocks(store: Path) -> None:
     prompt = list(range(3 * PAGE_TOKENS + 1))
     with KVCacheClient.connect("vllm", home=store) as c:
         s = SchedulerSide(NS, BS, c.lookup)
-        s.schedule("r", prompt, [1, 2], True, PAGE_TOKENS)           # page 0 done
+        s.schedule("r", prompt, [1, 2], True, 0, PAGE_TOKENS)           # page 0 done
         assert [t.block_ids for t in s.build_plan().saves] == [((1, 2),)]
-        s.schedule("r", None, [7, 8, 9, 10, 11, 12, 13], True, len(prompt))  # preempted, resumed elsewhere
+        s.schedule("r", None, [7, 8, 9, 10, 11, 12, 13], True, PAGE_TOKENS, len(prompt))  # preempted, resumed elsewhere
         (t,) = s.build_plan().saves
         assert t.block_ids == ((9, 10), (11, 12))                  # pages 1 and 2, in the new blocks
 
@@ -105,7 +106,7 @@ def test_missing_pages_are_reported_as_load_errors(store: Path) -> None:
     with KVCacheClient.connect("vllm", home=store) as c:
         a = caches(seed=2)
         s = SchedulerSide(NS, BS, c.lookup)
-        s.schedule("r", prompt, list(range(7)), True, len(prompt))
+        s.schedule("r", prompt, list(range(1, 8)), True, 0, len(prompt))
         worker(c, a).save(s.build_plan().saves[0])
         s2 = SchedulerSide(NS, BS, c.lookup)
         assert wait_for(lambda: s2.num_new_matched_tokens("q", prompt, 0) == 3 * PAGE_TOKENS)
@@ -121,8 +122,8 @@ def test_cache_salt_separates_keys(store: Path) -> None:
     with KVCacheClient.connect("vllm", home=store) as c:
         s = SchedulerSide(NS, BS, c.lookup)
         s.note_request("salted", "user-1")
-        s.schedule("salted", prompt, list(range(5)), True, len(prompt))
-        s.schedule("plain", prompt, list(range(5, 10)), True, len(prompt))
+        s.schedule("salted", prompt, list(range(1, 6)), True, 0, len(prompt))
+        s.schedule("plain", prompt, list(range(6, 11)), True, 0, len(prompt))
         a, b = s.build_plan().saves
         assert set(a.keys).isdisjoint(b.keys)
 
@@ -147,7 +148,7 @@ def test_async_saves_report_done_only_when_saved_and_wait_for_preempted(store: P
     with KVCacheClient.connect("vllm", home=store) as c, KVCacheClient.connect("vllm", home=store) as c2:
         kv = caches(seed=3)
         s = SchedulerSide(NS, BS, c.lookup)
-        s.schedule("r", prompt, list(range(9)), True, len(prompt))
+        s.schedule("r", prompt, list(range(1, 10)), True, 0, len(prompt))
         s.preempted({"r", "other"})
         plan = s.build_plan()
         assert plan.preempted == {"r"}                      # only requests with saves are waited for
@@ -167,7 +168,7 @@ def test_async_loads_report_errors_no_later_than_the_request(store: Path) -> Non
     with KVCacheClient.connect("vllm", home=store) as c, KVCacheClient.connect("vllm", home=store) as c2:
         a = caches(seed=4)
         s = SchedulerSide(NS, BS, c.lookup)
-        s.schedule("r", prompt, list(range(7)), True, len(prompt))
+        s.schedule("r", prompt, list(range(1, 8)), True, 0, len(prompt))
         worker(c, a).save(s.build_plan().saves[0])
         s2 = SchedulerSide(NS, BS, c.lookup)
         assert wait_for(lambda: s2.num_new_matched_tokens("q", prompt, 0) == 3 * PAGE_TOKENS)
@@ -185,7 +186,7 @@ def test_async_loads_report_errors_no_later_than_the_request(store: Path) -> Non
         assert wait_for(lambda: done.update(loader.take_done()) or done == {"q", "z"}, 30), done
         assert loader.take_errors() == {30, 31}                    # z recomputes
         for name in a:
-            assert torch.equal(b[name][20:26], a[name][0:6])
+            assert torch.equal(b[name][20:26], a[name][1:7])
         loader.close()
     # a load whose service is gone: its blocks are errors, reported with (or before) the request
     broken = AsyncLoader(worker(c2, caches()))
@@ -218,3 +219,107 @@ def test_a_saved_page_carries_nothing_of_the_buffer_it_was_filled_in(home: Path,
         assert page[PAGE_BYTES:] == bytes(4096)
         assert page[:PAGE_BYTES] == bytes(w.page_bytes_of((4, 5)).numpy()[:PAGE_BYTES])
         assert any(page[:PAGE_BYTES])  # the blocks were random: a page of zeros would prove nothing
+
+
+def test_no_page_with_a_null_block_or_a_freed_window_block_is_saved(store: Path) -> None:
+    """An all-sliding-window model (window of 2 pages): vLLM's prefix cache hands a request its
+    out-of-window blocks as the null block (0), and frees blocks as the window moves on. Neither
+    may become a page: a null block's bytes are not the page's KV, a freed block may already be
+    another request's."""
+    prompt = list(range(5000, 5000 + 6 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        s = SchedulerSide(NS, BS, c.lookup, sliding_window=2 * PAGE_TOKENS)
+        assert s.num_new_matched_tokens("hit", prompt, 4 * PAGE_TOKENS) == 0   # the store holds none of it
+        # vLLM's own prefix cache covered 4 pages, the first 2 of them as null blocks
+        blocks = [0] * (2 * BPP) + list(range(1, 4 * BPP + 2))
+        s.schedule("hit", prompt, blocks, True, 4 * PAGE_TOKENS, len(prompt))
+        (t,) = s.build_plan().saves
+        assert all(0 not in b for b in t.block_ids)
+        assert len(t.keys) == 4 and s.skipped_saves == 2      # pages 2..5 saved, 0 and 1 are placeholders
+        # chunked prefill of a new request: after 5 pages computed, blocks wholly before token
+        # 5 * PAGE_TOKENS - window + 1 may be freed: pages 1 and 2 (completed late) are not saved
+        s2 = SchedulerSide(NS, BS, c.lookup, sliding_window=2 * PAGE_TOKENS)
+        s2.schedule("chunked", prompt, list(range(10, 10 + 4)), True, 0, 2 * PAGE_TOKENS - 1)
+        first = s2.build_plan().saves
+        assert [len(t.keys) for t in first] == [1]            # page 0 done in the first chunk
+        s2.schedule("chunked", None, list(range(14, 14 + 10)), False, 5 * PAGE_TOKENS, len(prompt))
+        (late,) = s2.build_plan().saves
+        saved_pages = {s2._keys("chunked", prompt[:6 * PAGE_TOKENS]).index(k) for k in late.keys}
+        assert saved_pages == {3, 4, 5} and s2.skipped_saves == 2
+
+
+def test_loads_never_read_a_page_only_null_blocks_would_receive(store: Path) -> None:
+    prompt = list(range(7000, 7000 + 5 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        a = SchedulerSide(NS, BS, c.lookup)
+        a.schedule("r", prompt, list(range(1, 12)), True, 0, len(prompt))
+        worker(c, caches(seed=5)).save(a.build_plan().saves[0])
+        b = SchedulerSide(NS, BS, c.lookup, sliding_window=2 * PAGE_TOKENS)
+        assert wait_for(lambda: b.num_new_matched_tokens("q", prompt, 0) == 5 * PAGE_TOKENS)
+        # vLLM pads the skipped part of the external tokens with null blocks: 2.5 pages here
+        blocks = [0] * (2 * BPP + 1) + list(range(30, 30 + 2 * BPP + 1))
+        b.update_state_after_alloc("q", blocks, 5 * PAGE_TOKENS)
+        (t,) = b.build_plan().loads
+        assert len(t.keys) == 3 and all(0 not in blk for blk in t.block_ids)  # pages 2..4, not 0 and 1
+        assert t.first[0] == 1 and t.block_ids[0] == (30,)                  # page 2: its second block only
+        assert b.num_new_matched_tokens("z", prompt, 0) == 5 * PAGE_TOKENS
+        b.update_state_after_alloc("z", [0, 0, 40], 5 * PAGE_TOKENS)        # cannot hold the load
+        assert b.build_plan().failed == {"z": (40,)}                        # the null block is no error
+
+
+def test_pages_the_store_holds_are_not_copied_again(store: Path) -> None:
+    """vLLM's prefix cache covers a prompt whose pages the store holds: nothing is saved; pages
+    it covers that the store lacks (evicted) are saved again, from vLLM's real blocks."""
+    prompt = list(range(9000, 9000 + 4 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        a = SchedulerSide(NS, BS, c.lookup)
+        a.schedule("r", prompt[:2 * PAGE_TOKENS], list(range(1, 5)), True, 0, 2 * PAGE_TOKENS)
+        worker(c, caches(seed=6)).save(a.build_plan().saves[0])
+        assert wait_for(lambda: c.lookup(a._keys("x", prompt[:2 * PAGE_TOKENS])) == 2)
+        s = SchedulerSide(NS, BS, c.lookup)
+        assert s.num_new_matched_tokens("again", prompt, 4 * PAGE_TOKENS) == 0  # vLLM holds it all
+        s.schedule("again", prompt, list(range(1, 10)), True, 4 * PAGE_TOKENS, len(prompt))
+        (t,) = s.build_plan().saves
+        assert t.block_ids == ((5, 6), (7, 8))                # pages 2 and 3 only
+
+
+def test_a_reset_moves_every_key_and_drops_requests_in_flight(store: Path) -> None:
+    prompt = list(range(11000, 11000 + 3 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        s = SchedulerSide(NS, BS, c.lookup)
+        s.schedule("old", prompt, list(range(1, 3)), True, 0, PAGE_TOKENS)
+        worker(c, caches(seed=7)).save(s.build_plan().saves[0])
+        old = s._keys("x", prompt)
+        assert wait_for(lambda: s.num_new_matched_tokens("q", prompt, 0) == PAGE_TOKENS)
+        s.reset()
+        assert set(s._keys("x", prompt)).isdisjoint(old)
+        assert s.num_new_matched_tokens("q2", prompt, 0) == 0           # the old page is never loaded
+        s.schedule("old", None, list(range(3, 9)), False, PAGE_TOKENS, len(prompt))
+        assert s.build_plan().saves == []                               # started before the reset
+        s.schedule("new", prompt, list(range(10, 17)), True, 0, len(prompt))
+        (t,) = s.build_plan().saves
+        assert len(t.keys) == 3 and set(t.keys).isdisjoint(old)
+
+
+def test_kv_roles_and_tensor_parallel_ranks(store: Path) -> None:
+    prompt = list(range(13000, 13000 + 2 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        consumer = SchedulerSide(NS, BS, c.lookup, save=False)
+        consumer.schedule("r", prompt, list(range(1, 6)), True, 0, len(prompt))
+        assert consumer.build_plan().saves == []
+        producer = SchedulerSide(NS, BS, c.lookup, load=False)
+        producer.schedule("r", prompt, list(range(1, 6)), True, 0, len(prompt))
+        (t,) = producer.build_plan().saves
+        kv0, kv1 = caches(seed=8), caches(seed=9)
+        assert worker(c, kv0).save(t) == 2
+        assert WorkerSide(c, layout_of(kv1, "SIM", BS), BS, BPP, kv1, tp_rank=1).save(t) == 2
+        assert wait_for(lambda: consumer.num_new_matched_tokens("q", prompt, 0) == 2 * PAGE_TOKENS)
+        assert producer.num_new_matched_tokens("q", prompt, 0) == 0     # a producer never loads
+        consumer.update_state_after_alloc("q", list(range(20, 25)), 2 * PAGE_TOKENS)
+        (load,) = consumer.build_plan().loads
+        got0, got1 = caches(), caches()
+        assert worker(c, got0).load(load) == set()
+        assert WorkerSide(c, layout_of(got1, "SIM", BS), BS, BPP, got1, tp_rank=1).load(load) == set()
+        for name in kv0:  # each rank got its own heads back, not rank 0's
+            assert torch.equal(got0[name][20:24], kv0[name][1:5])
+            assert torch.equal(got1[name][20:24], kv1[name][1:5])
