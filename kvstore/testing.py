@@ -307,8 +307,9 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, heads: in
                               eos_token_id=2, tie_word_embeddings=False)
     model: Any
     if sliding_window:
-        model = MistralForCausalLM(MistralConfig(**kw, sliding_window=sliding_window,
-                                                 layer_types=["sliding_attention"] * layers))
+        # layer_types is a config attribute of transformers 5 that its stubs do not declare
+        kw.update(sliding_window=sliding_window, layer_types=["sliding_attention"] * layers)
+        model = MistralForCausalLM(MistralConfig(**kw))
     else:
         model = LlamaForCausalLM(LlamaConfig(**kw))
     model = model.to(torch.bfloat16)

@@ -4,12 +4,19 @@ For the connector's tests and ``scripts/bench/vllm_ttft.py`` (vLLM spawns worker
 as a script)::
 
     python -m kvstore.engines.vllm_run --model DIR --prompts prompts.json [--store NAME --server S] \\
-        [--max-tokens 8] [--max-num-batched-tokens 2048] [--no-prefix-cache]
+        [--max-tokens 8] [--max-num-batched-tokens 2048] [--no-prefix-cache] \\
+        [--pause-before K --pause-file PATH] [--update-weights-before K]
 
 ``prompts.json`` is a list of token-id lists (or of lists of them: groups sent one after the
 other). Prints one JSON line: per prompt the generated token ids, their logprobs and the time
 to first token (seconds, measured around a one-token generate of that prompt alone when
 ``--ttft``), and the engine start time.
+
+``--pause-before K`` stops before prompt K (first run only): it creates ``PATH.ready`` and
+waits (at most 10 minutes) until ``PATH`` exists, so that a test can act on the store while
+this vLLM still holds its prefix cache. ``--update-weights-before K`` changes the weights in
+place before prompt K (every parameter times 1.5, as an RL step would change them) and then
+calls ``reset_prefix_cache(reset_connector=True)``, vLLM's call after a weight update.
 """
 
 from __future__ import annotations
@@ -38,7 +45,15 @@ def main() -> int:
     ap.add_argument("--failure-policy", choices=["recompute", "fail"], help="kv_load_failure_policy to ask for")
     ap.add_argument("--kill-pid", type=int, help="SIGKILL this process before prompt --kill-before (a fault)")
     ap.add_argument("--kill-before", type=int, default=0)
+    ap.add_argument("--pause-before", type=int, help="wait for --pause-file before this prompt")
+    ap.add_argument("--pause-file")
+    ap.add_argument("--update-weights-before", type=int, help="update the weights in place before this prompt")
     a = ap.parse_args()
+    if a.pause_before is not None and not a.pause_file:
+        ap.error("--pause-before needs --pause-file")
+    if a.update_weights_before is not None:
+        # apply_model ships a function to the workers, which vLLM allows only when told to
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
     kw: dict[str, Any] = {}
@@ -66,6 +81,14 @@ def main() -> int:
         for i, p in enumerate(prompts):
             if a.kill_pid and i == a.kill_before:
                 os.kill(a.kill_pid, signal.SIGKILL)
+            if not out["runs"] and i == a.pause_before:
+                _pause(a.pause_file)
+            if not out["runs"] and i == a.update_weights_before:
+                # by its module's name: run with -m, this file is __main__, which workers cannot import
+                from kvstore.engines import vllm_run
+                llm.apply_model(vllm_run._scale_weights)
+                if not llm.reset_prefix_cache(reset_connector=True):
+                    raise RuntimeError("reset_prefix_cache(reset_connector=True) failed")
             ttft = None
             if a.ttft:
                 t1 = time.monotonic()
@@ -80,6 +103,24 @@ def main() -> int:
         out["runs"].append(run)
     print("RESULT " + json.dumps(out), flush=True)
     return 0
+
+
+def _pause(path: str) -> None:
+    with open(path + ".ready", "w"):
+        pass
+    deadline = time.monotonic() + 600
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within 10 minutes")
+        time.sleep(0.1)
+
+
+def _scale_weights(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
 
 
 if __name__ == "__main__":

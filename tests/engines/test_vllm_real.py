@@ -49,16 +49,19 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 class Cluster:
-    def __init__(self, root: Path) -> None:
+    """Store ``v`` on one device file, servers a and b (``slots`` pages each), and a tiny model
+    (a Mistral whose every layer has ``sliding_window`` when given)."""
+
+    def __init__(self, root: Path, *, slots: int = 200, sliding_window: int | None = None) -> None:
         self.home = root / "mass"
         self.home.mkdir()
         dev = root / "dev0.img"
         with open(dev, "wb") as f:
-            f.truncate((1 << 20) + 2 * 200 * (4096 + PAGE))
+            f.truncate((1 << 20) + 2 * slots * (4096 + PAGE))
         self.dev = str(dev)
         make_store(self.home, "v", [self.dev], PAGE, [f"a=127.0.0.1:{free_port_pair()}",
                                                      f"b=127.0.0.1:{free_port_pair()}"])
-        self.model = make_tiny_llama(root / "model")
+        self.model = make_tiny_llama(root / "model", sliding_window=sliding_window)
         self.services = {s: ServiceProcess(self.home, "v", s).start() for s in ("a", "b")}
         self.root = root
 
@@ -73,20 +76,32 @@ class Cluster:
         finally:
             seg.close()
 
-    def run(self, prompts: list[list[int]], *args: str, name: str) -> list[dict[str, Any]]:
-        """Prompts through a fresh vLLM process; its per-prompt results."""
+    def start(self, prompts: list[list[int]], *args: str, name: str) -> subprocess.Popen[bytes]:
+        """Prompts through a fresh vLLM process (``kvstore.engines.vllm_run``), started."""
         pf = self.root / f"{name}.json"
         pf.write_text(json.dumps(prompts))
-        log = self.root / f"{name}.log"
         cmd = [sys.executable, "-m", "kvstore.engines.vllm_run", "--model", str(self.model), "--prompts", str(pf),
                "--max-num-batched-tokens", str(STEP), "--page-tokens", str(PAGE_TOKENS), *args]
-        with open(log, "w") as lf:
-            r = subprocess.run(cmd, env={**os.environ, **ENV, "MASS_HOME": str(self.home)}, stdout=lf,
-                               stderr=subprocess.STDOUT, timeout=400, cwd=self.root)
-        text = log.read_text()
-        assert r.returncode == 0, text[-4000:]
+        with open(self.root / f"{name}.log", "w") as lf:
+            return subprocess.Popen(cmd, env={**os.environ, **ENV, "MASS_HOME": str(self.home)}, stdout=lf,
+                                    stderr=subprocess.STDOUT, cwd=self.root)
+
+    def result(self, proc: subprocess.Popen[bytes], name: str) -> list[dict[str, Any]]:
+        """The per-prompt results of a process ``start`` started (it is waited for)."""
+        try:
+            rc = proc.wait(400)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+            raise
+        text = (self.root / f"{name}.log").read_text()
+        assert rc == 0, text[-4000:]
         line = next(x for x in text.splitlines() if x.startswith("RESULT "))
         return list(json.loads(line[7:])["runs"][0])
+
+    def run(self, prompts: list[list[int]], *args: str, name: str) -> list[dict[str, Any]]:
+        """Prompts through a fresh vLLM process; its per-prompt results."""
+        return self.result(self.start(prompts, *args, name=name), name)
 
     def close(self) -> None:
         for s in self.services.values():
@@ -176,8 +191,28 @@ def test_a_service_killed_mid_run_still_gives_complete_answers(cluster: Cluster)
     cluster.restart("b")
 
 
-def test_openai_server_answers_with_the_connector(cluster: Cluster) -> None:
-    """The README's server command, on 127.0.0.1, answers a completion request."""
+def metrics(port: int) -> dict[str, float]:
+    """vLLM's /metrics as ``{'name{labels}': value}`` (the engine label dropped)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            if "{" in name:  # keep the labels that tell series apart, not the engine's
+                base, labels = name[:-1].split("{", 1)
+                kept = [x for x in labels.split(",") if x.startswith("source=")]
+                name = base + ("{" + ",".join(kept) + "}" if kept else "")
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def test_openai_server_answers_with_the_connector_and_reports_its_metrics(cluster: Cluster) -> None:
+    """The README's server command, on 127.0.0.1, answers completion requests; a prompt server a saved
+    is loaded from the store, and vLLM's /metrics shows the connector's counters and the tokens as
+    hits from the "disk" tier."""
+    p_new, p_miss = prompt(9, 700), prompt(10, 600)  # two whole pages each
+    cluster.run([p_new], "--store", "v", "--server", "a", name="metrics-a")
+    assert wait_for(lambda: cluster.stats("b").slots_valid >= 17, 60)  # 15 before, and p_new's 2
     port = free_port()
     kvcfg = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.engines.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -199,13 +234,26 @@ def test_openai_server_answers_with_the_connector(cluster: Cluster) -> None:
                 return False
 
         assert wait_for(healthy, 240, 0.5), log.read_text()[-4000:]
-        body = json.dumps({"model": str(cluster.model), "prompt": P_MID, "max_tokens": 4, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.loads(r.read())
-        assert out["usage"]["completion_tokens"] == 4
-        assert out["choices"][0]["finish_reason"] == "length"
+        for p in (p_new, p_miss):
+            body = json.dumps({"model": str(cluster.model), "prompt": p, "max_tokens": 4, "temperature": 0}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                out = json.loads(r.read())
+            assert out["usage"]["completion_tokens"] == 4
+            assert out["choices"][0]["finish_reason"] == "length"
+        page_bytes = PAGE
+        want = {"vllm:kvstore_lookups_total": 2, "vllm:kvstore_hit_pages_total": 2,
+                "vllm:kvstore_hit_tokens_total": 2 * PAGE_TOKENS, "vllm:kvstore_miss_pages_total": 2,
+                "vllm:kvstore_load_pages_total": 2, "vllm:kvstore_load_bytes_total": 2 * page_bytes,
+                "vllm:kvstore_load_failed_pages_total": 0, "vllm:kvstore_save_pages_total": 2,
+                "vllm:kvstore_save_bytes_total": 2 * page_bytes, "vllm:kvstore_save_failed_pages_total": 0,
+                'vllm:prompt_tokens_cached_by_source_total{source="disk"}': 2 * PAGE_TOKENS}
+        got: dict[str, float] = {}
+        # the saves' counters arrive with the engine step that reports them done
+        assert wait_for(lambda: got.update(metrics(port)) or all(got.get(k) == v for k, v in want.items()), 60), \
+            {k: got.get(k) for k in want}
+        assert got["vllm:kvstore_load_s_total"] > 0 and got["vllm:kvstore_save_s_total"] > 0
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
