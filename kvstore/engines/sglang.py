@@ -7,7 +7,8 @@ Start SGLang with::
         "class_name": "KVStoreHiCacheStorage", "interface_v1": 1, "store": "demo"}'
 
 Extra config: ``store`` (required), ``server`` (which local service, if several run
-here), ``mass_home`` (default ``MASS_HOME``), ``tenant``, ``timeout_s`` (per call, 30).
+here), ``mass_home`` (default ``MASS_HOME``), ``tenant``, ``timeout_s`` (per call, 30),
+``model_id`` (the weights identity in every key; default SGLang's model name).
 
 Pages. One SGLang page (``page_size`` tokens of every layer, K and V) is one kvstore
 page: the store's page size must hold it (checked when the host pool is registered,
@@ -26,14 +27,26 @@ every request of one SGLang server shares the key space of the tenant this backe
 connects as (``tenant`` in the extra config, granted from the SGLang process's Unix
 user; see ``[tenants]``). Give servers whose users must not share KV different tenants.
 
-``clear`` does nothing: kvstore reuses space by retiring the least used pages; there
-is no bulk delete.
+Invalidation. SGLang's keys carry the model name, not a weights identity: after a weight
+update under the same name, pages of the old weights would load. ``clear`` (SGLang's
+``POST /hicache/storage-backend/clear``) moves this backend's keys to a fresh namespace in
+O(1): no page saved before is loaded by this process again (the old pages stay until the
+store reuses their space). It reaches this process only: give ``model_id`` a weights
+identity (``name@revision``) so that other SGLang servers and restarts never share keys
+across weights.
+
+Hybrid pools. SGLang hands hybrid models' extra host pools (sliding-window, Mamba, DSA
+indexer sidecars) to ``register_mem_host_pool_v2`` and moves them with the v2 calls. This
+backend stores full-attention KV pages only: it refuses such pools when they are
+registered (SGLang's attach, at start), naming them, instead of answering v2 calls with
+``NotImplementedError`` (which SGLang catches, never using the store, without a word).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import secrets
 import threading
 from pathlib import Path
 from typing import Any
@@ -65,6 +78,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._home = Path(extra["mass_home"]) if extra.get("mass_home") else None
         self._tenant = str(extra.get("tenant", ""))
         self._timeout = float(extra.get("timeout_s", 30.0))
+        self._model_id = str(extra["model_id"]) if extra.get("model_id") else None
+        self._epoch = ""  # moved by clear()
+        self._attached = False  # the attach's pool registrations are over
         self._local = threading.local()
         self._clients: list[KVCacheClient] = []
         self._clients_lock = threading.Lock()
@@ -103,13 +119,39 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                              f"{self._store!r} has {self.page_bytes}-byte pages: create a store with --page-size "
                              f">= {need} (a multiple of 4 KiB)")
         self.tokens_per_page = tokens
-        cfg = self.config
+        self._sizes = [int(s) for s in sizes]
+        self._set_prefix()
+
+    def _set_prefix(self) -> None:
+        cfg, pool = self.config, self.mem_pool_host
         ranks = [] if cfg.is_mla_model else [cfg.tp_rank, cfg.tp_size]
-        self._prefix = NAMESPACE + msgpack.packb([
-            cfg.model_name or "", bool(cfg.is_mla_model), ranks, cfg.pp_rank, cfg.pp_size, cfg.attn_cp_rank,
-            cfg.attn_cp_size, getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1),
-            type(mem_pool_host).__name__, str(mem_pool_host.layout), str(mem_pool_host.dtype), tokens,
-            [int(s) for s in sizes]]) + b"\0"
+        fields: list[Any] = [
+            self._model_id or cfg.model_name or "", bool(cfg.is_mla_model), ranks, cfg.pp_rank, cfg.pp_size,
+            cfg.attn_cp_rank, cfg.attn_cp_size, getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1),
+            type(pool).__name__, str(pool.layout), str(pool.dtype), self.tokens_per_page, self._sizes]
+        if self._epoch:
+            fields.append(self._epoch)
+        self._prefix = NAMESPACE + msgpack.packb(fields) + b"\0"
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if self._attached:  # a sidecar added while running (SGLang's register_host_pool_entry)
+            raise ValueError(self._refusal([host_pool_name]))
+
+    def on_host_pools_registered(self) -> None:
+        """The attach's pools are all registered: refuse any the v1 calls cannot move (SGLang
+        fails the attach with this error)."""
+        extra = [name for name, pool in (getattr(self, "registered_pools", None) or {}).items()
+                 if pool is not self.mem_pool_host and str(name) != "kv"]
+        if extra:
+            raise ValueError(self._refusal(extra))
+        self._attached = True
+
+    def _refusal(self, names: list[Any]) -> str:
+        return (f"kvstore HiCache backend: this model's host pools include {sorted(str(n) for n in names)} "
+                "(sliding-window, Mamba or indexer state of a hybrid model), which SGLang moves with "
+                "batch_*_v2; kvstore stores full-attention KV pages only (batch_*_v1). Run this model "
+                "without --hicache-storage-backend kvstore")
 
     def _keys(self, keys: list[str]) -> list[bytes]:
         if not self._prefix:
@@ -230,7 +272,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return out
 
     def clear(self) -> None:
-        """Nothing to do: see the module docstring."""
+        """Invalidate every page this backend saved or could load, in O(1): its keys move to a
+        fresh namespace (see the module docstring for its scope)."""
+        self._epoch = secrets.token_hex(16)
+        if self._prefix:
+            self._set_prefix()
+        log.info("kvstore HiCache backend: cleared; keys are under a fresh namespace")
 
     def close(self) -> None:
         with self._clients_lock:

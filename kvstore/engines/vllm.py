@@ -73,10 +73,13 @@ import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..client import KVCacheClient
 from ..keys import KeyNamespace
-from .vllm_mapping import AsyncLoader, AsyncSaver, Layout, SchedulerSide, StepPlan, WorkerSide, layout_of
+from .vllm_mapping import (STAT_KEYS, AsyncLoader, AsyncSaver, Layout, SchedulerSide, StepPlan, TransferStats,
+                           WorkerSide, layout_of)
 
 log = structlog.get_logger(__name__)
 
@@ -86,6 +89,74 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class KVStoreConnectorStats(KVConnectorStats):
+    """The connector's counters over one interval (``vllm_mapping.STAT_KEYS``), from the scheduler
+    (lookups, skipped saves) and every worker (loads, saves, stalls), summed by vLLM."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data=dict(data) if data else dict.fromkeys(STAT_KEYS, 0))
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            if k in STAT_KEYS:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {k: int(d.get(k, 0)) for k in STAT_KEYS if not k.endswith("_s")}
+        for k in ("load", "save"):
+            out[f"{k}_s"] = round(float(d.get(f"{k}_s", 0)), 4)
+            out[f"{k}_GBps"] = round(d.get(f"{k}_bytes", 0) / d[f"{k}_s"] / 1e9, 3) if d.get(f"{k}_s") else 0.0
+        out["save_stall_s"] = round(float(d.get("save_stall_s", 0)), 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in STAT_KEYS)
+
+
+PROM_COUNTERS = {
+    "lookups": "Requests the kvstore connector looked up in the store",
+    "hit_pages": "Whole prompt pages the store held (leading run) at lookup",
+    "miss_pages": "Whole prompt pages the store did not hold at lookup",
+    "hit_tokens": "Prompt tokens in pages the store held at lookup",
+    "miss_tokens": "Prompt tokens in whole pages the store did not hold at lookup",
+    "load_pages": "Pages loaded from the store into vLLM's KV cache",
+    "load_bytes": "Bytes loaded from the store",
+    "load_s": "Seconds spent loading from the store (read and copy)",
+    "load_failed_pages": "Pages planned for loading that could not be loaded (recomputed)",
+    "save_pages": "Pages copied out of vLLM's KV cache and handed to the store",
+    "save_bytes": "Bytes handed to the store",
+    "save_s": "Seconds spent saving (copy out and hand-off)",
+    "save_failed_pages": "Pages whose save failed",
+    "save_skipped_pages": "Pages not saved: a placeholder or out-of-window block in them",
+    "save_stall_s": "Seconds vLLM's steps waited for saves",
+}
+"""Prometheus counter per connector counter: ``vllm:kvstore_<name>_total`` (the help text here)."""
+
+
+class KVStoreConnectorPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters as Prometheus counters on vLLM's /metrics, per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        for k, doc in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=f"vllm:kvstore_{k}", documentation=doc, labelnames=labelnames)
+            self.counters[k] = create_metric_per_engine(counter, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for k, v in transfer_stats_data.items():
+            if k in self.counters and v:
+                self.counters[k][engine_idx].inc(v)
 
 
 def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any]:
@@ -122,6 +193,10 @@ def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any]:
 
 class KVStoreConnector(KVConnectorBase_V1):
     """vLLM's KV connector interface over ``kvstore`` (see the module docstring)."""
+
+    # vLLM's prefix-cache hit counters by source: the store is a storage tier (vLLM has no
+    # "storage" label; "disk" is its tier below host memory)
+    _cache_hit_source = CacheHitSource.DISK
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -180,6 +255,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.save_client: KVCacheClient | None = None
         self.load_client: KVCacheClient | None = None
         self.layout: Layout | None = None
+        self.worker_stats = TransferStats()  # this worker's loads and saves, all threads
         self._load_errors: set[int] = set()
         self._had_saves: set[str] = set()
         self._finishing: set[str] = set()
@@ -242,15 +318,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                              f"(expected backend {backend}, {dtype}, {block_bytes} bytes per layer and block)")
         self.layout = layout
         bpp = self.ns.page_tokens // self.block_size
-        self.worker = WorkerSide(self.client, layout, self.block_size, bpp, kv_caches, self.tp_rank)
+        self.worker = WorkerSide(self.client, layout, self.block_size, bpp, kv_caches, self.tp_rank,
+                                 self.worker_stats)
         if self.async_save and self.saves:  # its own connection: a save in progress never holds up a load
             self.save_client = self._connect()
             self.saver = AsyncSaver(WorkerSide(self.save_client, layout, self.block_size, bpp, kv_caches,
-                                               self.tp_rank))
+                                               self.tp_rank, self.worker_stats))
         if self.async_load and self.loads:
             self.load_client = self._connect()
             self.loader = AsyncLoader(WorkerSide(self.load_client, layout, self.block_size, bpp, kv_caches,
-                                                 self.tp_rank))
+                                                 self.tp_rank, self.worker_stats))
         log.info("kvstore connector registered the KV cache", layout=layout.name, layers=len(kv_caches),
                  page_bytes=self.worker.page_bytes)
 
@@ -277,7 +354,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # a preempted request's blocks may be reused by this very step: its saves go first
         if self.saver is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata):
-            if kv_connector_metadata.plan.preempted and not self.saver.wait(kv_connector_metadata.plan.preempted):
+            t0 = time.perf_counter()
+            ok = not kv_connector_metadata.plan.preempted or self.saver.wait(kv_connector_metadata.plan.preempted)
+            self.worker_stats.add(save_stall_s=time.perf_counter() - t0)
+            if not ok:
                 log.warning("kvstore: saves of preempted requests still running after 60 s",
                             reqs=sorted(kv_connector_metadata.plan.preempted))
 
@@ -291,7 +371,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.saver.submit(t)
             else:
                 self.worker.save(t)
-        self.save_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.save_s += dt
+        self.worker_stats.add(save_stall_s=dt)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         saved: set[str] = set()
@@ -302,6 +384,21 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._had_saves -= saved
         loaded = self.loader.take_done() if self.loader is not None else set()
         return (saved or None), (loaded or None)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counters since the last call (the scheduler's lookups, a worker's transfers)."""
+        side = self.scheduler.stats if self.role == KVConnectorRole.SCHEDULER else self.worker_stats
+        data = side.take()
+        return KVStoreConnectorStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KVStoreConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # vLLM asks right after get_finished: the errors of every load reported done are in here

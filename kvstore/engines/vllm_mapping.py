@@ -103,6 +103,49 @@ def rank_key(key: bytes, tp_rank: int) -> bytes:
     return hashlib.blake2b(key + tp_rank.to_bytes(4, "little"), digest_size=len(key), person=b"kvstore-tprank").digest()
 
 
+STAT_KEYS = ("lookups", "hit_pages", "miss_pages", "hit_tokens", "miss_tokens", "load_pages", "load_bytes",
+             "load_s", "load_failed_pages", "save_pages", "save_bytes", "save_s", "save_failed_pages",
+             "save_skipped_pages", "save_stall_s")
+"""The connector's counters (``TransferStats``), each a sum over an interval:
+
+- ``lookups``: requests the scheduler looked up in the store; ``hit_pages`` / ``miss_pages``: of their
+  whole prompt pages, those the store held as a leading run / the rest; ``hit_tokens`` / ``miss_tokens``:
+  the same in tokens;
+- ``load_pages``, ``load_bytes``, ``load_s``: pages copied from the store into vLLM's blocks, their bytes,
+  and the seconds spent (store read and copy); ``load_failed_pages``: pages that were planned and could
+  not be loaded (vLLM recomputes their blocks);
+- ``save_pages``, ``save_bytes``, ``save_s``: pages copied out and handed to the store, their bytes and
+  seconds; ``save_failed_pages``: pages a save lost to an error; ``save_skipped_pages``: pages not
+  saved because a block of them was a placeholder or out of the sliding window;
+- ``save_stall_s``: seconds vLLM's steps waited for saves (the copy when saves are synchronous, a
+  preempted request's saves when they are not)."""
+
+
+class TransferStats:
+    """Counters of one side of the connector (``STAT_KEYS``), safe to add to from any thread;
+    ``take`` returns them and starts the next interval at zero."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
+
+    def add(self, **counts: float) -> None:
+        """Add to the named counters (``ValueError`` for a name not in ``STAT_KEYS``)."""
+        with self._lock:
+            for k, v in counts.items():
+                if k not in self._data:
+                    raise ValueError(f"unknown connector counter {k!r}")
+                self._data[k] += v
+
+    def take(self) -> dict[str, float] | None:
+        """The counters since the last ``take`` (None if all are zero); resets them."""
+        with self._lock:
+            if not any(self._data.values()):
+                return None
+            out, self._data = self._data, dict.fromkeys(STAT_KEYS, 0)
+            return out
+
+
 @dataclass(frozen=True)
 class PageTransfer:
     """Pages of one request and the vLLM blocks they map to.
@@ -180,6 +223,7 @@ class SchedulerSide:
         self.saving: set[str] = set()  # requests with saves planned (their blocks are freed only once saved)
         self.resets = 0
         self.skipped_saves = 0  # pages not saved: a null block in them, or out of the sliding window
+        self.stats = TransferStats()  # lookups and skipped saves (the workers count the transfers)
 
     def note_request(self, req_id: str, cache_salt: str | None) -> None:
         """A request arrived; pages of a request with a cache salt (vLLM's per-user isolation of
@@ -224,6 +268,7 @@ class SchedulerSide:
             log.warning("kvstore lookup failed; computing", error=repr(e))
             return 0
         self._stored[req_id] = n
+        self.stats.add(lookups=1, hit_pages=n, miss_pages=whole - n, hit_tokens=n * T, miss_tokens=(whole - n) * T)
         n = min(n, (len(prompt) - 1) // T)  # vLLM must compute at least one prompt token
         if not self.load or num_computed_tokens % self.block_size or n * T <= num_computed_tokens:
             return 0
@@ -289,6 +334,7 @@ class SchedulerSide:
             blocks = tuple(r.blocks[p * bpp:(p + 1) * bpp])
             if self.null_block in blocks or p * bpp < freed_blocks:
                 self.skipped_saves += 1
+                self.stats.add(save_skipped_pages=1)
                 continue
             pk.append(keys[p])
             pb.append(blocks)
@@ -330,8 +376,9 @@ class WorkerSide:
     """
 
     def __init__(self, client: KVCacheClient, layout: Layout, block_size: int, blocks_per_page: int,
-                 kv_caches: Mapping[str, torch.Tensor], tp_rank: int = 0) -> None:
+                 kv_caches: Mapping[str, torch.Tensor], tp_rank: int = 0, stats: TransferStats | None = None) -> None:
         self.client = client
+        self.stats = stats if stats is not None else TransferStats()  # shared by a worker's transfer threads
         self.tp_rank = tp_rank
         self.layout = layout
         self.caches = list(kv_caches.values())
@@ -365,6 +412,7 @@ class WorkerSide:
     def load(self, t: PageTransfer) -> set[int]:
         """Fill the blocks of ``t`` from the store; returns the block ids that could not be filled."""
         done = 0
+        t0 = time.perf_counter()
         try:
             while done < len(t.keys):
                 batch = self._rank_keys(t.keys[done:done + self.client.max_batch])
@@ -372,6 +420,7 @@ class WorkerSide:
                     warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
                     for view in pages:
                         if view is None:
+                            self._count_load(t, done, t0)
                             return t.all_blocks(done)
                         raw = torch.frombuffer(view, dtype=torch.uint8, count=self.page_bytes)
                         blocks, first = t.block_ids[done], t.first[done]
@@ -383,10 +432,16 @@ class WorkerSide:
                             cache.index_copy_(0, idx, page[lo:hi].to(self.device))
                         del raw
                         done += 1
+            self._count_load(t, done, t0)
             return set()
         except Exception as e:
             log.warning("kvstore load failed; these blocks are recomputed", req=t.req_id, error=repr(e))
+            self._count_load(t, done, t0)
             return t.all_blocks(done)
+
+    def _count_load(self, t: PageTransfer, done: int, t0: float) -> None:
+        self.stats.add(load_pages=done, load_bytes=done * self.page_bytes, load_s=time.perf_counter() - t0,
+                       load_failed_pages=len(t.keys) - done)
 
     def page_bytes_of(self, blocks: Sequence[int]) -> torch.Tensor:
         """The payload of the page made of ``blocks`` (a contiguous uint8 tensor of ``page_size``)."""
@@ -408,8 +463,9 @@ class WorkerSide:
         """Copy the pages of ``t`` out of the paged cache into leased page buffers (``reserve``: one
         copy, from the cache straight into the memory the device is written from) and commit
         them; returns pages accepted (0 on error)."""
+        t0 = time.perf_counter()
+        n = 0
         try:
-            n = 0
             for s in range(0, len(t.keys), self.client.max_batch):
                 keys = self._rank_keys(t.keys[s:s + self.client.max_batch])
                 with self.client.reserve(len(keys)) as pages:
@@ -421,6 +477,9 @@ class WorkerSide:
         except Exception as e:
             log.warning("kvstore save failed", req=t.req_id, error=repr(e))
             return 0
+        finally:
+            self.stats.add(save_pages=n, save_bytes=n * self.page_bytes, save_s=time.perf_counter() - t0,
+                           save_failed_pages=len(t.keys) - n)
 
 
 class _TransferThread:

@@ -3,9 +3,11 @@
 Builds SGLang's own CPU KV pools (``MHATokenToKVPool`` and its host pool
 ``MHATokenToKVPoolHost``), loads the kvstore backend through SGLang's
 ``StorageBackendFactory`` ("dynamic"), registers the host pool as HiCache's controller
-does, then either writes N random pages (``write``) or reads them back into a fresh
-host pool (``read``). Prints one JSON line: what it did and the SHA-256 of every page
-as the host pool holds it.
+does, then either writes N random pages (``write``), then clears (SGLang's
+``/hicache/storage-backend/clear``) and looks them up again, or reads them back into a
+fresh host pool (``read``), or registers a hybrid model's extra pool the way SGLang's
+``HybridCacheController.attach_storage_backend`` does (``hybrid``). Prints one JSON line:
+what it did and the SHA-256 of every page as the host pool holds it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from typing import Any
 
 import torch
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -33,15 +36,19 @@ def host_pool(layout: str) -> MHATokenToKVPoolHost:
                                 write_back_staging=kv.hicache_write_back_staging)
 
 
-def backend(a: argparse.Namespace, pool: MHATokenToKVPoolHost, model: str = "tiny-llama") -> object:
+def backend(a: argparse.Namespace, pool: MHATokenToKVPoolHost, model: str = "tiny-llama", attach: bool = True,
+            **extra: object) -> Any:
     cfg = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
         enable_storage_metrics=False, is_page_first_layout=pool.layout != "layer_first", model_name=model,
         extra_config={"backend_name": "kvstore", "module_path": "kvstore.engines.sglang",
                       "class_name": "KVStoreHiCacheStorage", "interface_v1": 1, "store": a.store,
-                      "server": a.server, "mass_home": a.home})
+                      "server": a.server, "mass_home": a.home, **({"tenant": a.tenant} if a.tenant else {}),
+                      **extra})
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)  # what HiCacheController does with the backend it is given
+    if attach:
+        b.on_host_pools_registered()  # ... and then, once its pools are registered
     return b
 
 
@@ -52,15 +59,28 @@ def digests(pool: MHATokenToKVPoolHost, indices: torch.Tensor, n: int) -> list[s
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["write", "read"])
+    ap.add_argument("mode", choices=["write", "read", "hybrid"])
     ap.add_argument("--store", required=True)
     ap.add_argument("--server", required=True)
     ap.add_argument("--home", required=True)
     ap.add_argument("--pages", type=int, default=40)
     ap.add_argument("--layout", default="page_first")
+    ap.add_argument("--tenant", default="")
     a = ap.parse_args()
     keys = [hashlib.sha256(f"page-{i}".encode()).hexdigest() for i in range(a.pages)]
     pool = host_pool(a.layout)
+    if a.mode == "hybrid":
+        # HybridCacheController: super().attach_storage_backend (factory, register_mem_pool_host), then
+        # register_mem_host_pool_v2 for each host pool entry, then on_host_pools_registered
+        b = backend(a, pool, attach=False)
+        b.register_mem_host_pool_v2(pool, PoolName.KV)
+        b.register_mem_host_pool_v2(host_pool(a.layout), PoolName.SWA)
+        try:
+            b.on_host_pools_registered()
+            print(json.dumps({"refused": None}))
+        except ValueError as e:
+            print(json.dumps({"refused": str(e)}))
+        return
     b = backend(a, pool)
     out: dict[str, object] = {"backend": type(b).__name__}
     idx = pool.alloc(a.pages * PAGE)
@@ -72,6 +92,11 @@ def main() -> None:
         out["exists_before"] = b.batch_exists(keys)
         out["set"] = b.batch_set_v1(keys, idx)
         out["exists_after"] = b.batch_exists(keys)
+        out["exists_other_model_id"] = backend(a, host_pool(a.layout), model_id="tiny-llama@rev2").batch_exists(keys)
+        b.clear()
+        out["exists_after_clear"] = b.batch_exists(keys)
+        out["set_after_clear"] = b.batch_set_v1(keys[:2], idx)
+        out["exists_after_clear_and_set"] = b.batch_exists(keys)
     else:
         pool.kv_buffer.zero_()
         half = a.pages // 2

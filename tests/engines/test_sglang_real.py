@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,11 @@ if not PYTHON.exists():
     pytest.skip(f"SGLang environment not set up ({VENV}; run scripts/setup)", allow_module_level=True)
 
 
-def roundtrip(home: Path, mode: str, server: str, store: str = "sg", pages: int = 40) -> subprocess.CompletedProcess[str]:
+def roundtrip(home: Path, mode: str, server: str, store: str = "sg", pages: int = 40,
+              tenant: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(PYTHON), str(SCRIPT), mode, "--store", store, "--server", server, "--home", str(home),
-                           "--pages", str(pages)], capture_output=True, text=True, timeout=300, cwd="/",
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                           "--pages", str(pages), "--tenant", tenant], capture_output=True, text=True, timeout=300,
+                          cwd="/", env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
 def result(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -53,6 +55,11 @@ def test_sglang_pages_written_on_one_server_are_read_back_exactly_on_another(hom
     w = result(roundtrip(home, "write", "a"))
     assert w["backend"] == "KVStoreHiCacheStorage"  # SGLang's factory built ours
     assert w["exists_before"] == 0 and w["set"] == [True] * 40 and w["exists_after"] == 40
+    assert w["exists_other_model_id"] == 0  # model_id (a weights identity) is in every key
+    # clear (SGLang's /hicache/storage-backend/clear): no page saved before is found again by that
+    # backend, and what it saves afterwards is found under its new keys
+    assert w["exists_after_clear"] == 0 and w["set_after_clear"] == [True] * 2
+    assert w["exists_after_clear_and_set"] == 2
 
     def read_on_b() -> dict[str, Any]:
         return result(roundtrip(home, "read", "b"))
@@ -69,3 +76,30 @@ def test_sglang_pages_written_on_one_server_are_read_back_exactly_on_another(hom
     services(home, "tiny", "c")
     r = roundtrip(home, "write", "c", store="tiny", pages=2)
     assert r.returncode != 0 and "create a store with --page-size >= 32768" in r.stderr, r.stderr[-3000:]
+    # a hybrid model's extra pools (here a sliding-window pool) are refused at attach, naming them
+    h = result(roundtrip(home, "hybrid", "a"))
+    assert h["refused"] and "['swa']" in h["refused"] and "batch_*_v2" in h["refused"], h
+
+
+def test_the_readmes_tenant_example_works_as_written(home: Path, file_devices: Any, services: Any) -> None:
+    """README: map the Unix user SGLang runs as to a tenant in MASS_HOME/stores/STORE.toml, name it in the
+    extra config. Before the mapping the tenant is refused; after it, its pages are its own."""
+    devs = file_devices.make(1, (1 << 20) + 100 * (4096 + (64 << 10)))
+    make_store(home, "ten", devs, 64 << 10, ["t"])
+    svc = services(home, "ten", "t")
+    r = roundtrip(home, "write", "t", store="ten", pages=4, tenant="team-a")
+    assert r.returncode != 0 and "team-a" in r.stderr, r.stderr[-3000:]  # not granted yet
+    svc.stop()
+    me = pwd.getpwuid(os.getuid()).pw_name
+    toml = home / "stores" / "ten.toml"
+    text = toml.read_text()
+    assert text.count("\n[tenants]\n") == 1  # the README says: add the line to this table
+    toml.write_text(text.replace("\n[tenants]\n", f'\n[tenants]\nteam-a = ["user:{me}"]\nteam-b = ["user:{me}"]\n'))
+    services(home, "ten", "t")
+    w = result(roundtrip(home, "write", "t", store="ten", pages=4, tenant="team-a"))
+    assert w["set"] == [True] * 4 and w["exists_after"] == 4
+    # another tenant's key space does not hold team-a's pages ...
+    assert result(roundtrip(home, "read", "t", store="ten", pages=4, tenant="team-b"))["exists"] == 0
+    # ... team-a's does, byte for byte
+    got = result(roundtrip(home, "read", "t", store="ten", pages=4, tenant="team-a"))
+    assert got["exists"] == 4 and got["digests"] == w["digests"]

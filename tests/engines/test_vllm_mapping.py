@@ -70,18 +70,31 @@ def test_chunked_prefill_saves_every_page_and_another_instance_loads_from_mid_pa
         assert sum(len(t.keys) for t in saved) == 5      # every whole page, each once
         wa = worker(c, a_kv)
         assert sum(wa.save(t) for t in saved) == 5
+        st = wa.stats.take()
+        assert st is not None and (st["save_pages"], st["save_bytes"], st["save_failed_pages"]) == (5, 5 * PAGE_BYTES, 0)
+        assert st["save_s"] > 0 and st["load_pages"] == 0 and wa.stats.take() is None  # an interval resets
+        assert sa.stats.take() == {**dict.fromkeys(sa.stats._data, 0), "lookups": 1, "miss_pages": 5,
+                                   "miss_tokens": 5 * PAGE_TOKENS}
         # instance B holds the request's first block already (vLLM's own prefix cache): half a page
         b_kv = caches(head_major=head_major)
         b_blocks = list(range(40, 40 + len(prompt) // BS + 1))
         sb = SchedulerSide(NS, BS, c.lookup)
         assert wait_for(lambda: sb.num_new_matched_tokens("r9", prompt, BS) == 5 * PAGE_TOKENS - BS)
+        sb.stats.take()  # the lookups while the writes landed; once more, counted
+        assert sb.num_new_matched_tokens("r9", prompt, BS) == 5 * PAGE_TOKENS - BS
+        st = sb.stats.take()
+        assert st is not None and (st["lookups"], st["hit_pages"], st["hit_tokens"], st["miss_pages"]) == \
+            (1, 5, 5 * PAGE_TOKENS, 0)
         sb.update_state_after_alloc("r9", b_blocks, 5 * PAGE_TOKENS - BS)
         (load,) = sb.build_plan().loads
         assert load.first[0] == 1 and load.block_ids[0] == (b_blocks[1],)  # page 0: only its 2nd block
         marker = torch.full((HEADS, BS, C), 7.0, dtype=torch.bfloat16)
         for t in b_kv.values():
             t[b_blocks[0]] = marker                           # what vLLM already held
-        assert worker(c, b_kv).load(load) == set()
+        wb = worker(c, b_kv)
+        assert wb.load(load) == set()
+        st = wb.stats.take()
+        assert st is not None and (st["load_pages"], st["load_bytes"], st["load_failed_pages"]) == (5, 5 * PAGE_BYTES, 0)
         for name in a_kv:
             assert torch.equal(b_kv[name][b_blocks[1:10]], a_kv[name][blocks[1:10]])
             assert torch.equal(b_kv[name][b_blocks[0]], marker)  # untouched
@@ -115,6 +128,8 @@ def test_missing_pages_are_reported_as_load_errors(store: Path) -> None:
         w = worker(c, caches())
     # the connection is gone before the worker loads: every planned block is a load error, nothing raises
     assert w.load(plan.loads[0]) == set(range(20, 26))
+    st = w.stats.take()
+    assert st is not None and (st["load_pages"], st["load_failed_pages"]) == (0, 3)
 
 
 def test_cache_salt_separates_keys(store: Path) -> None:
@@ -236,6 +251,7 @@ def test_no_page_with_a_null_block_or_a_freed_window_block_is_saved(store: Path)
         (t,) = s.build_plan().saves
         assert all(0 not in b for b in t.block_ids)
         assert len(t.keys) == 4 and s.skipped_saves == 2      # pages 2..5 saved, 0 and 1 are placeholders
+        assert (s.stats.take() or {}).get("save_skipped_pages") == 2
         # chunked prefill of a new request: after 5 pages computed, blocks wholly before token
         # 5 * PAGE_TOKENS - window + 1 may be freed: pages 1 and 2 (completed late) are not saved
         s2 = SchedulerSide(NS, BS, c.lookup, sliding_window=2 * PAGE_TOKENS)
