@@ -56,6 +56,11 @@ What it does (logic in ``vllm_mapping.py``):
   started before is saved. The model id stays as configured for engines
   started later: give ``model_id`` a weights identity when weights change
   under one name.
+* Metrics: ``KVConnectorStats`` from the scheduler (lookups: hit and miss pages and
+  tokens) and every worker (pages, bytes and seconds loaded and saved, failures, save
+  stall), in vLLM's KV transfer log line and as ``vllm:kvstore_*_total`` counters on its
+  /metrics (docs/METRICS.md); the store's hits count as ``source="disk"`` in vLLM's
+  prefix-cache hits by source.
 * Tensor parallelism: each rank saves and loads its own heads under its own
   key (``rank_key``), derived from the scheduler's.
 * Hybrid models (several KV cache groups) are not supported: the connector

@@ -261,3 +261,12 @@ def test_openai_server_answers_with_the_connector_and_reports_its_metrics(cluste
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def test_every_connector_counter_is_documented() -> None:
+    from kvstore.engines.vllm import PROM_COUNTERS
+    from kvstore.engines.vllm_mapping import STAT_KEYS
+
+    assert set(PROM_COUNTERS) == set(STAT_KEYS)
+    doc = (Path(__file__).parents[2] / "docs" / "METRICS.md").read_text()
+    assert [k for k in STAT_KEYS if f"`vllm:kvstore_{k}_total`" not in doc] == []
