@@ -29,11 +29,13 @@ user; see ``[tenants]``). Give servers whose users must not share KV different t
 
 Invalidation. SGLang's keys carry the model name, not a weights identity: after a weight
 update under the same name, pages of the old weights would load. ``clear`` (SGLang's
-``POST /hicache/storage-backend/clear``) moves this backend's keys to a fresh namespace in
+``POST /hicache/storage-backend/clear``) moves this backend's keys to the next namespace in
 O(1): no page saved before is loaded by this process again (the old pages stay until the
-store reuses their space). It reaches this process only: give ``model_id`` a weights
-identity (``name@revision``) so that other SGLang servers and restarts never share keys
-across weights.
+store reuses their space). The namespace is the count of clears, so every TP rank of the
+server moves to the same one (MLA ranks share keys; random ones would make every later
+lookup miss). It reaches this process only, and a restart counts from 0 again: give
+``model_id`` a weights identity (``name@revision``) so that other SGLang servers and
+restarts never share keys across weights.
 
 Hybrid pools. SGLang hands hybrid models' extra host pools (sliding-window, Mamba, DSA
 indexer sidecars) to ``register_mem_host_pool_v2`` and moves them with the v2 calls. This
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import secrets
 import threading
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._tenant = str(extra.get("tenant", ""))
         self._timeout = float(extra.get("timeout_s", 30.0))
         self._model_id = str(extra["model_id"]) if extra.get("model_id") else None
-        self._epoch = ""  # moved by clear()
+        self._clears = 0  # clear() calls: every rank of one server gets the same ones, so their keys agree
         self._attached = False  # the attach's pool registrations are over
         self._local = threading.local()
         self._clients: list[KVCacheClient] = []
@@ -129,14 +130,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._model_id or cfg.model_name or "", bool(cfg.is_mla_model), ranks, cfg.pp_rank, cfg.pp_size,
             cfg.attn_cp_rank, cfg.attn_cp_size, getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1),
             type(pool).__name__, str(pool.layout), str(pool.dtype), self.tokens_per_page, self._sizes]
-        if self._epoch:
-            fields.append(self._epoch)
+        if self._clears:
+            fields.append(self._clears)
         self._prefix = NAMESPACE + msgpack.packb(fields) + b"\0"
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if self._attached:  # a sidecar added while running (SGLang's register_host_pool_entry)
-            raise ValueError(self._refusal([host_pool_name]))
+        if self._attached and host_pool is not self.mem_pool_host and str(host_pool_name) != "kv":
+            raise ValueError(self._refusal([host_pool_name]))  # a sidecar added while running
 
     def on_host_pools_registered(self) -> None:
         """The attach's pools are all registered: refuse any the v1 calls cannot move (SGLang
@@ -149,7 +150,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def _refusal(self, names: list[Any]) -> str:
         return (f"kvstore HiCache backend: this model's host pools include {sorted(str(n) for n in names)} "
-                "(sliding-window, Mamba or indexer state of a hybrid model), which SGLang moves with "
+                "(sliding-window, Mamba or indexer state of a hybrid model, or a speculative draft model's "
+                "pool), which SGLang moves with "
                 "batch_*_v2; kvstore stores full-attention KV pages only (batch_*_v1). Run this model "
                 "without --hicache-storage-backend kvstore")
 
@@ -274,7 +276,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         """Invalidate every page this backend saved or could load, in O(1): its keys move to a
         fresh namespace (see the module docstring for its scope)."""
-        self._epoch = secrets.token_hex(16)
+        self._clears += 1
         if self._prefix:
             self._set_prefix()
         log.info("kvstore HiCache backend: cleared; keys are under a fresh namespace")

@@ -126,7 +126,7 @@ class KVStoreConnectorStats(KVConnectorStats):
 
 
 PROM_COUNTERS = {
-    "lookups": "Requests the kvstore connector looked up in the store",
+    "lookups": "Lookups of prompts in the store by the kvstore connector (vLLM may ask again for a waiting request)",
     "hit_pages": "Whole prompt pages the store held (leading run) at lookup",
     "miss_pages": "Whole prompt pages the store did not hold at lookup",
     "hit_tokens": "Prompt tokens in pages the store held at lookup",
@@ -216,6 +216,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             tc.kv_load_failure_policy = "recompute"
         self.block_size = int(vllm_config.cache_config.block_size)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
+            # a page holds one rank's layers; stages would save different layers under one key
+            raise ValueError("the kvstore connector does not support pipeline parallelism "
+                             f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use tensor parallelism")
         page_tokens = int(extra.get("page_tokens", self.block_size))
         backend, spec = _expected_layout(vllm_config, kv_cache_config)
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
@@ -358,9 +362,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # a preempted request's blocks may be reused by this very step: its saves go first
-        if self.saver is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata):
+        if (self.saver is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+                and kv_connector_metadata.plan.preempted):
             t0 = time.perf_counter()
-            ok = not kv_connector_metadata.plan.preempted or self.saver.wait(kv_connector_metadata.plan.preempted)
+            ok = self.saver.wait(kv_connector_metadata.plan.preempted)
             self.worker_stats.add(save_stall_s=time.perf_counter() - t0)
             if not ok:
                 log.warning("kvstore: saves of preempted requests still running after 60 s",
@@ -378,7 +383,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.worker.save(t)
         dt = time.perf_counter() - t0
         self.save_s += dt
-        self.worker_stats.add(save_stall_s=dt)
+        if meta.plan.saves:
+            self.worker_stats.add(save_stall_s=dt)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         saved: set[str] = set()

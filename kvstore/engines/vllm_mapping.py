@@ -108,9 +108,9 @@ STAT_KEYS = ("lookups", "hit_pages", "miss_pages", "hit_tokens", "miss_tokens", 
              "save_skipped_pages", "save_stall_s")
 """The connector's counters (``TransferStats``), each a sum over an interval:
 
-- ``lookups``: requests the scheduler looked up in the store; ``hit_pages`` / ``miss_pages``: of their
-  whole prompt pages, those the store held as a leading run / the rest; ``hit_tokens`` / ``miss_tokens``:
-  the same in tokens;
+- ``lookups``: the scheduler's lookups in the store (vLLM asks again for a request it could not admit
+  yet, or that was preempted); ``hit_pages`` / ``miss_pages``: of their whole prompt pages, those the
+  store held as a leading run / the rest; ``hit_tokens`` / ``miss_tokens``: the same in tokens;
 - ``load_pages``, ``load_bytes``, ``load_s``: pages copied from the store into vLLM's blocks, their bytes,
   and the seconds spent (store read and copy); ``load_failed_pages``: pages that were planned and could
   not be loaded (vLLM recomputes their blocks);
@@ -221,6 +221,8 @@ class SchedulerSide:
         self._stored: dict[str, int] = {}  # req -> leading pages the store held when it was looked up
         self._salts: dict[str, str] = {}  # req -> its cache salt
         self.saving: set[str] = set()  # requests with saves planned (their blocks are freed only once saved)
+        self._known: set[str] = set()  # requests seen and not finished
+        self._stale: set[str] = set()  # requests known at a reset: their KV may be of old weights, never saved
         self.resets = 0
         self.skipped_saves = 0  # pages not saved: a null block in them, or out of the sliding window
         self.stats = TransferStats()  # lookups and skipped saves (the workers count the transfers)
@@ -228,6 +230,7 @@ class SchedulerSide:
     def note_request(self, req_id: str, cache_salt: str | None) -> None:
         """A request arrived; pages of a request with a cache salt (vLLM's per-user isolation of
         its prefix cache) are keyed under a root that mixes the salt in."""
+        self._known.add(req_id)
         if cache_salt:
             self._salts[req_id] = cache_salt
 
@@ -244,6 +247,7 @@ class SchedulerSide:
         request that started before is saved (its KV may be of the old weights). O(1): the
         old pages are not touched; the store evicts them as it reuses space."""
         self.resets += 1
+        self._stale |= self._known | self._matched.keys() | self._reqs.keys() | self._loaded.keys()
         self.ns = replace(self.ns, model_id=f"{self.ns.model_id}#reset:{secrets.token_hex(16)}")
         self._matched.clear()
         self._reqs.clear()
@@ -258,6 +262,7 @@ class SchedulerSide:
         kept for the saves: pages it holds are never copied out again."""
         T = self.ns.page_tokens
         self._matched.pop(req_id, None)
+        self._known.add(req_id)
         whole = len(prompt) // T
         if not whole:
             return 0
@@ -311,6 +316,8 @@ class SchedulerSide:
         """A request runs this step: track its blocks (``replace_blocks`` for a new or resumed
         request, else ``block_ids`` are appended) and plan the save of the prompt pages
         this step completes."""
+        if req_id in self._stale:
+            return  # known before a reset: whatever it holds or loaded may be of the old weights
         r = self._reqs.get(req_id)
         if r is None:
             if prompt is None:
@@ -356,6 +363,8 @@ class SchedulerSide:
         self._loaded.pop(req_id, None)
         self._stored.pop(req_id, None)
         self._salts.pop(req_id, None)
+        self._known.discard(req_id)
+        self._stale.discard(req_id)
         if req_id in self.saving:
             self.saving.discard(req_id)
             return True

@@ -97,6 +97,9 @@ def main() -> None:
         out["exists_after_clear"] = b.batch_exists(keys)
         out["set_after_clear"] = b.batch_set_v1(keys[:2], idx)
         out["exists_after_clear_and_set"] = b.batch_exists(keys)
+        peer = backend(a, host_pool(a.layout))  # another rank of the same server: it gets the same clear
+        peer.clear()
+        out["exists_peer_after_one_clear"] = peer.batch_exists(keys)
     else:
         pool.kv_buffer.zero_()
         half = a.pages // 2

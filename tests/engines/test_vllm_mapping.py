@@ -315,6 +315,13 @@ def test_a_reset_moves_every_key_and_drops_requests_in_flight(store: Path) -> No
         s.schedule("new", prompt, list(range(10, 17)), True, 0, len(prompt))
         (t,) = s.build_plan().saves
         assert len(t.keys) == 3 and set(t.keys).isdisjoint(old)
+        # q was looked up (its load of old pages planned) before the reset and is scheduled only after it,
+        # as a new request with its prompt: what it holds may be of the old weights, so nothing is saved
+        s.schedule("q", prompt, list(range(20, 27)), True, 0, len(prompt))
+        assert s.build_plan().saves == []
+        assert s.request_finished("q") is False
+        s.schedule("q", prompt, list(range(20, 27)), True, 0, len(prompt))  # the id used again, after it ended
+        assert len(s.build_plan().saves) == 1
 
 
 def test_kv_roles_and_tensor_parallel_ranks(store: Path) -> None:
