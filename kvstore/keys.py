@@ -12,8 +12,10 @@ parallel rank and size), adapter id and tenant. H is BLAKE2b-256 over a
 canonical byte encoding (token ids as little-endian int64), never Python's
 ``hash()``, so keys are equal across processes, machines and Python versions.
 Changing any earlier token, the model, the layout or the adapter changes
-every later key. Only whole pages are keyed: a prompt's trailing partial page
-is always recomputed.
+every later key. Whole pages are keyed by ``page_keys``; a prompt's trailing
+partial page gets a key of its own only when one engine hands the whole prompt
+to another (``tail_key``, prefill/decode disaggregation), and is otherwise
+recomputed.
 """
 
 from __future__ import annotations
@@ -113,3 +115,22 @@ def page_keys(ns: KeyNamespace, token_ids: Sequence[int] | np.ndarray, extra: Se
         key = h.digest()
         out.append(key)
     return out
+
+
+def tail_key(parent: bytes, tail_token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Key of a prompt's last, partial page: its tokens after the whole pages, chained from
+    ``parent`` (the last whole page's key, or the chain's root).
+
+    Used where one engine hands a whole prompt to another (prefill/decode disaggregation):
+    a tail key never equals a whole page's key (another BLAKE2b personalization, and the
+    token count is hashed), so a later, longer prompt never loads a partial page as whole.
+
+    Raises:
+        ValueError: ``tail_token_ids`` is empty, or a token id does not fit in int64.
+    """
+    toks = np.asarray(tail_token_ids, dtype=np.int64).reshape(-1)
+    if not len(toks):
+        raise ValueError("a tail page has at least one token")
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvstore-tail")
+    h.update(struct.pack("<I", len(toks)) + toks.astype("<i8", copy=False).tobytes())
+    return h.digest()

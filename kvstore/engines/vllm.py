@@ -13,7 +13,8 @@ Extra config: ``store`` (required), ``server`` (when several services of the
 store run here), ``mass_home``, ``page_tokens`` (a multiple of vLLM's block
 size; default: one block), ``model_id`` (default: the model name and
 revision), ``tenant`` (a key-space label mixed into every key; the service
-grants the connection's own tenant from its Unix credentials).
+grants the connection's own tenant from its Unix credentials), ``pd_wait_s``
+(a P/D decoder's wait for pages its prefill server announced, default 5 s).
 
 What it does (logic in ``vllm_mapping.py``):
 
@@ -50,6 +51,15 @@ What it does (logic in ``vllm_mapping.py``):
   would receive. Pages the store held at lookup are never copied out again.
 * ``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
   loads, ``kv_both`` does both.
+* Prefill/decode disaggregation (``examples/pd_proxy.py``, vLLM's proxy
+  pattern): a request with ``kv_transfer_params: {"do_remote_decode": true}``
+  also saves its prompt's partial last page (``keys.tail_key``), and its
+  answer's ``kv_transfer_params`` name what was stored (page count and the
+  last page's key); the decoder given them derives the same keys, waits (at
+  most ``pd_wait_s``) for announced pages its server has not seen yet, and
+  loads the prompt up to the block holding its last token, which it computes
+  (vLLM does the same after a hit in its own prefix cache; its CPU attention
+  cannot start a prefill inside a block).
 * ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, as RL
   loops call after a weight update) moves this engine's keys to a fresh
   namespace: nothing saved before is loaded again, nothing of a request that
@@ -247,8 +257,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         # kv_role: a producer (P/D prefill side) never loads, a consumer (decode side) never saves
         self.loads, self.saves = bool(tc.is_kv_consumer), bool(tc.is_kv_producer)
+        self.async_load = bool(extra.get("async_load", True))
+        pd_wait_s = float(extra.get("pd_wait_s", 5.0))
+        if not 0 <= pd_wait_s <= 600:
+            raise ValueError(f"kv_connector_extra_config pd_wait_s must be 0..600 seconds, got {pd_wait_s}")
         self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup, null_block=NULL_BLOCK_ID,
-                                       sliding_window=window, load=self.loads, save=self.saves)
+                                       sliding_window=window, load=self.loads, save=self.saves, pd_wait_s=pd_wait_s)
         self.tp_rank = tp_rank
         self.async_save = bool(extra.get("async_save", True))
         if window is not None and self.async_save:
@@ -257,7 +271,6 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.info("kvstore: sliding-window cache, pages are copied out in wait_for_save "
                      "(device writes stay asynchronous)", window=window)
             self.async_save = False
-        self.async_load = bool(extra.get("async_load", True))
         self.worker: WorkerSide | None = None
         self.saver: AsyncSaver | None = None
         self.loader: AsyncLoader | None = None
@@ -274,7 +287,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
-        self.scheduler.note_request(request.request_id, getattr(request, "cache_salt", None))
+        self.scheduler.note_request(request.request_id, getattr(request, "cache_salt", None),
+                                    getattr(request, "kv_transfer_params", None))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids
@@ -282,7 +296,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         n = self.scheduler.num_new_matched_tokens(request.request_id, prompt, num_computed_tokens)
         # asynchronous: vLLM parks the request until the workers report its pages loaded, and runs
-        # the others meanwhile
+        # the others meanwhile; None: a P/D consumer waits for its producer's pages (asked again later)
         return n, bool(n) and self.async_load
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -309,9 +323,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # with asynchronous saves, vLLM keeps the blocks until get_finished reports the saves done
+        # with asynchronous saves, vLLM keeps the blocks until get_finished reports the saves done; a
+        # P/D producer's request names what it stored, for the proxy to hand to the decoder
+        params = self.scheduler.transfer_params(request.request_id)
         held = self.scheduler.request_finished(request.request_id)
-        return held and self.async_save, None
+        return held and self.async_save, params
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -41,7 +41,7 @@ import structlog
 import torch
 
 from ..client import KVCacheClient
-from ..keys import KeyNamespace, page_keys
+from ..keys import KeyNamespace, page_keys, tail_key
 
 log = structlog.get_logger(__name__)
 
@@ -182,6 +182,7 @@ class _Req:
     prompt: list[int]
     blocks: list[int]
     saved: int = 0  # leading pages known to be in the store (loaded or saved)
+    tail: bool | None = None  # P/D producer: whether the partial last page was saved (None: not yet decided)
 
 
 class SchedulerSide:
@@ -204,7 +205,8 @@ class SchedulerSide:
 
     def __init__(self, ns: KeyNamespace, block_size: int, lookup: Callable[[list[bytes]], int], *,
                  null_block: int = NULL_BLOCK, sliding_window: int | None = None, load: bool = True,
-                 save: bool = True) -> None:
+                 save: bool = True, pd_wait_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if ns.page_tokens % block_size:
             raise ValueError(f"page_tokens ({ns.page_tokens}) must be a multiple of vLLM's block_size ({block_size})")
         self.ns = ns
@@ -214,6 +216,10 @@ class SchedulerSide:
         self.null_block = null_block
         self.window = sliding_window
         self.load, self.save = load, save
+        self.pd_wait_s = pd_wait_s
+        self.clock = clock
+        self._pd: dict[str, dict[str, object]] = {}  # req -> its P/D kv_transfer_params
+        self._pd_deadline: dict[str, float] = {}  # consumer: until when announced pages are waited for
         self._matched: dict[str, tuple[int, int, list[bytes]]] = {}  # req -> (computed, first page, keys)
         self._plan = StepPlan()
         self._reqs: dict[str, _Req] = {}
@@ -227,18 +233,39 @@ class SchedulerSide:
         self.skipped_saves = 0  # pages not saved: a null block in them, or out of the sliding window
         self.stats = TransferStats()  # lookups and skipped saves (the workers count the transfers)
 
-    def note_request(self, req_id: str, cache_salt: str | None) -> None:
+    def note_request(self, req_id: str, cache_salt: str | None,
+                     transfer_params: Mapping[str, object] | None = None) -> None:
         """A request arrived; pages of a request with a cache salt (vLLM's per-user isolation of
-        its prefix cache) are keyed under a root that mixes the salt in."""
+        its prefix cache) are keyed under a root that mixes the salt in. ``transfer_params``
+        (vLLM's ``kv_transfer_params``) mark a P/D request: ``do_remote_decode`` one this engine
+        prefills for another (its partial last page is saved too, and ``transfer_params``
+        names what was stored), ``do_remote_prefill`` one another engine prefilled (its prompt
+        is loaded up to the block holding its last token, waiting up to ``pd_wait_s`` for
+        announced pages)."""
         self._known.add(req_id)
         if cache_salt:
             self._salts[req_id] = cache_salt
+        if isinstance(transfer_params, Mapping) and (transfer_params.get("do_remote_decode")
+                                                     or transfer_params.get("do_remote_prefill")):
+            self._pd[req_id] = dict(transfer_params)
+
+    def _root(self, req_id: str) -> bytes:
+        salt = self._salts.get(req_id)
+        if salt is None:
+            return self.ns.root()
+        return hashlib.blake2b(self.ns.root() + salt.encode(), digest_size=32, person=b"kvstore-salt").digest()
 
     def _keys(self, req_id: str, tokens: Sequence[int]) -> list[bytes]:
-        salt = self._salts.get(req_id)
-        parent = None if salt is None else hashlib.blake2b(self.ns.root() + salt.encode(), digest_size=32,
-                                                           person=b"kvstore-salt").digest()
-        return page_keys(self.ns, list(tokens), parent=parent)
+        return page_keys(self.ns, list(tokens), parent=self._root(req_id))
+
+    def _prompt_keys(self, req_id: str, prompt: Sequence[int]) -> list[bytes]:
+        """Keys of the whole prompt: its whole pages, then its partial last page (``tail_key``) if any."""
+        T = self.ns.page_tokens
+        whole = len(prompt) // T
+        keys = self._keys(req_id, prompt[:whole * T])
+        if len(prompt) > whole * T:
+            keys.append(tail_key(keys[-1] if keys else self._root(req_id), prompt[whole * T:]))
+        return keys
 
     def reset(self) -> None:
         """vLLM reset its prefix cache (``reset_prefix_cache(reset_connector=True)``, as RL loops do
@@ -254,8 +281,9 @@ class SchedulerSide:
         self._loaded.clear()
         self._stored.clear()
 
-    def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` (block aligned) that can be loaded; 0 on any error.
+    def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` (block aligned) that can be loaded; 0 on any error;
+        None while a P/D consumer waits for pages its producer announced (vLLM asks again later).
 
         The load starts in the page holding token ``num_computed_tokens``, so a page that
         vLLM's prefix cache covers in part still loads the rest. The store's answer is also
@@ -263,6 +291,11 @@ class SchedulerSide:
         T = self.ns.page_tokens
         self._matched.pop(req_id, None)
         self._known.add(req_id)
+        pd = self._pd.get(req_id)
+        if pd and pd.get("do_remote_prefill") and self.load:
+            got = self._pd_match(req_id, prompt, num_computed_tokens, pd)
+            if got != -1:
+                return got
         whole = len(prompt) // T
         if not whole:
             return 0
@@ -280,6 +313,51 @@ class SchedulerSide:
         first = num_computed_tokens // T
         self._matched[req_id] = (num_computed_tokens, first, keys[first:n])
         return n * T - num_computed_tokens
+
+    def _pd_match(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int,
+                  pd: Mapping[str, object]) -> int | None:
+        """A P/D consumer's match: the prompt up to the block holding its last token, once every page
+        the producer announced is in the store (None while waiting, up to ``pd_wait_s``); -1 to
+        fall back to the ordinary match (the producer's keys are not this engine's, or its pages
+        did not arrive in time)."""
+        T = self.ns.page_tokens
+        keys = self._prompt_keys(req_id, prompt)
+        announced, last = pd.get("kvstore_pages"), pd.get("kvstore_last_key")
+        if not (isinstance(announced, int) and 0 < announced <= len(keys) and isinstance(last, str)
+                and keys[announced - 1].hex() == last):
+            log.warning("kvstore P/D: the producer's page keys are not this engine's (another model_id, "
+                        "page_tokens, tenant or prompt); loading only what the store holds", req=req_id)
+            self._pd.pop(req_id, None)
+            return -1
+        try:
+            n = self.lookup(keys[:announced])
+        except Exception as e:
+            log.warning("kvstore lookup failed; computing", error=repr(e))
+            return 0
+        now = self.clock()
+        deadline = self._pd_deadline.setdefault(req_id, now + self.pd_wait_s)
+        if n < announced:
+            if now < deadline:
+                return None  # announced, not here yet (still being written, or not yet replicated)
+            log.warning("kvstore P/D: pages the producer announced did not arrive in time; loading what is "
+                        "there", req=req_id, found=n, announced=len(keys), waited_s=self.pd_wait_s)
+            self._pd.pop(req_id, None)
+            return -1
+        if announced < len(keys):  # whole pages only (no partial page stored): the ordinary match
+            self._pd.pop(req_id, None)
+            return -1
+        whole = len(prompt) // T
+        self._stored[req_id] = whole
+        self.stats.add(lookups=1, hit_pages=whole, hit_tokens=whole * T)
+        # up to the block holding the last token, which vLLM computes from its start, as it does after a
+        # hit in its own prefix cache (vLLM's CPU attention dies with SIGILL on a prefill that starts
+        # inside a block, and its own cache never asks for one)
+        end = (len(prompt) - 1) // self.block_size * self.block_size
+        if num_computed_tokens % self.block_size or end <= num_computed_tokens:
+            return 0
+        first = num_computed_tokens // T
+        self._matched[req_id] = (num_computed_tokens, first, keys[first:])
+        return end - num_computed_tokens
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` into the request's blocks (all of them, in order)."""
@@ -329,13 +407,17 @@ class SchedulerSide:
         T, bpp = self.ns.page_tokens, self.bpp
         done = min(computed_after_step, len(r.prompt)) // T
         done = min(done, len(r.blocks) // bpp)
-        if not self.save or done <= r.saved:
+        pd = self._pd.get(req_id)
+        # a P/D producer also saves the partial last page, once the whole prompt is computed
+        tail = (self.save and r.tail is None and pd is not None and bool(pd.get("do_remote_decode"))
+                and computed_after_step >= len(r.prompt) and len(r.prompt) % T != 0)
+        if not self.save or (done <= r.saved and not tail):
             return
         # vLLM frees a sliding-window block once the window has passed it (remove_skipped_blocks, with
         # at most the computed tokens before this step); our block list still names the freed id,
         # which another request may be writing into: such pages are not saved
         freed_blocks = max(0, computed_before_step - self.window + 1) // self.block_size if self.window else 0
-        keys = self._keys(req_id, r.prompt[:done * T])
+        keys = self._prompt_keys(req_id, r.prompt) if tail else self._keys(req_id, r.prompt[:done * T])
         pk, pb = [], []
         for p in range(r.saved, done):
             blocks = tuple(r.blocks[p * bpp:(p + 1) * bpp])
@@ -345,10 +427,34 @@ class SchedulerSide:
                 continue
             pk.append(keys[p])
             pb.append(blocks)
-        r.saved = done
+        r.saved = max(r.saved, done)
+        if tail:
+            p = len(r.prompt) // T
+            blocks = tuple(r.blocks[p * bpp:-(-len(r.prompt) // self.block_size)])
+            r.tail = (len(blocks) == -(-(len(r.prompt) - p * T) // self.block_size)
+                      and self.null_block not in blocks and p * bpp >= freed_blocks)
+            if r.tail:
+                pk.append(keys[p])
+                pb.append(blocks)  # fewer blocks than a page: the rest of the page is zeros
         if pk:
             self._plan.saves.append(PageTransfer(req_id, tuple(pk), tuple(pb), (0,) * len(pk)))
             self.saving.add(req_id)
+
+    def transfer_params(self, req_id: str) -> dict[str, object] | None:
+        """What a P/D producer's finished request hands the decoder (vLLM's ``kv_transfer_params``,
+        through the proxy): the pages stored for its prompt, named by the last one's key (the
+        consumer derives the same keys from the same prompt and waits for them), or None."""
+        r, pd = self._reqs.get(req_id), self._pd.get(req_id)
+        if r is None or pd is None or not pd.get("do_remote_decode") or not self.save:
+            return None
+        T = self.ns.page_tokens
+        whole = len(r.prompt) // T
+        keys = self._prompt_keys(req_id, r.prompt) if r.tail else self._keys(req_id, r.prompt[:whole * T])
+        if not keys:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False, "kvstore_pages": len(keys),
+                "kvstore_tokens": whole * T + (len(r.prompt) - whole * T if r.tail else 0),
+                "kvstore_last_key": keys[-1].hex()}
 
     def preempted(self, req_ids: set[str] | None) -> None:
         """Requests preempted this step: the workers finish their saves before the blocks are reused."""
@@ -363,6 +469,8 @@ class SchedulerSide:
         self._loaded.pop(req_id, None)
         self._stored.pop(req_id, None)
         self._salts.pop(req_id, None)
+        self._pd.pop(req_id, None)
+        self._pd_deadline.pop(req_id, None)
         self._known.discard(req_id)
         self._stale.discard(req_id)
         if req_id in self.saving:
@@ -463,9 +571,13 @@ class WorkerSide:
         layer's blocks in logical order, then zeros (``out`` may be a reused buffer: nothing of an
         earlier page may be saved with this one)."""
         idx = self._kernel(blocks)
+        k = len(idx)  # fewer than a page's blocks for a prompt's partial last page
         for cache, (off, shape) in zip(self.caches, self.parts):
             n = int(np.prod(shape)) * cache.element_size()
-            out[off:off + n].view(self.dtype).view(shape).copy_(cache[idx])
+            region = out[off:off + n].view(self.dtype).view(shape)
+            region[:k].copy_(cache[idx])
+            if k < shape[0]:
+                region[k:].zero_()
         out[self.page_bytes:].zero_()
 
     def save(self, t: PageTransfer) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -346,3 +347,60 @@ def test_kv_roles_and_tensor_parallel_ranks(store: Path) -> None:
         for name in kv0:  # each rank got its own heads back, not rank 0's
             assert torch.equal(got0[name][20:24], kv0[name][1:5])
             assert torch.equal(got1[name][20:24], kv1[name][1:5])
+
+
+def test_prefill_decode_handoff_moves_the_prompt_up_to_its_last_block_partial_page_included(store: Path) -> None:
+    """P/D: the producer saves every page of the prompt, its partial last page too, and names them in
+    kv_transfer_params; the consumer waits (bounded) for them and loads the prompt into its blocks up to
+    the block holding the last token (vLLM computes that one), the producer's bytes block for block."""
+    prompt = list(range(20000, 20000 + 3 * PAGE_TOKENS + BS + 3))  # 3 whole pages, a tail of 1 block + 3 tokens
+    L = len(prompt)
+    now = [0.0]
+    with KVCacheClient.connect("vllm", home=store) as c:
+        kv = caches(seed=11)
+        p = SchedulerSide(NS, BS, c.lookup, load=False)                       # kv_producer
+        p.note_request("pre", None, {"do_remote_decode": True, "do_remote_prefill": False})
+        blocks = list(range(1, 1 + -(-L // BS)))                              # 8 blocks: 3 pages + 2 tail blocks
+        p.schedule("pre", prompt, blocks, True, 0, L)
+        (t,) = p.build_plan().saves
+        assert len(t.keys) == 4 and t.block_ids[-1] == (7, 8)                 # the tail page has 2 blocks
+        params = p.transfer_params("pre")
+        assert params is not None and params["kvstore_pages"] == 4 and params["do_remote_prefill"] is True
+        assert params["kvstore_tokens"] == L
+        assert p.request_finished("pre") is True
+        # the consumer is asked before the pages are written: it waits (None), within pd_wait_s
+        d = SchedulerSide(NS, BS, c.lookup, save=False, pd_wait_s=5.0, clock=lambda: now[0])
+        d.note_request("dec", None, params)
+        assert d.num_new_matched_tokens("dec", prompt, 0) is None
+        w = worker(c, kv)
+        assert w.save(t) == 4
+        # the tail page: its two blocks in each layer's part, zeros where a whole page has more blocks
+        page = w.page_bytes_of((7, 8))
+        for (off, shape), t_ in zip(w.parts, kv.values()):
+            part = page[off:off + int(np.prod(shape)) * 2].view(torch.bfloat16).view(shape)
+            assert torch.equal(part[:2], t_[[7, 8]]) and part[2:].count_nonzero() == 0
+        # up to the block of the last token (vLLM computes that block, as after its own prefix cache's hits)
+        end = (L - 1) // BS * BS
+        assert end == 3 * PAGE_TOKENS + BS
+        assert wait_for(lambda: d.num_new_matched_tokens("dec", prompt, 0) == end)
+        b_blocks = list(range(30, 30 + -(-L // BS)))
+        d.update_state_after_alloc("dec", b_blocks, end)
+        (load,) = d.build_plan().loads
+        assert load.block_ids[-1] == (b_blocks[6],)                          # the tail page's first block
+        b_kv = caches()
+        assert worker(c, b_kv).load(load) == set()
+        for name in kv:
+            assert torch.equal(b_kv[name][b_blocks[:7]], kv[name][blocks[:7]])  # every block but the last
+        # a tail page is not a whole page: the same tokens followed by more never load it as one
+        longer = prompt + list(range(PAGE_TOKENS))
+        assert SchedulerSide(NS, BS, c.lookup).num_new_matched_tokens("x", longer, 0) == 3 * PAGE_TOKENS
+        # announced pages that never arrive: after pd_wait_s, the ordinary match (what is there)
+        other = list(range(40000, 40000 + 2 * PAGE_TOKENS + 5))
+        d.note_request("late", None, {"do_remote_prefill": True, "kvstore_pages": 3,
+                                      "kvstore_last_key": d._prompt_keys("late", other)[-1].hex()})
+        assert d.num_new_matched_tokens("late", other, 0) is None
+        now[0] += 5.1
+        assert d.num_new_matched_tokens("late", other, 0) == 0
+        # a producer whose keys are not ours (another model_id): no wait, the ordinary match
+        d.note_request("foreign", None, {"do_remote_prefill": True, "kvstore_pages": 4, "kvstore_last_key": "00" * 32})
+        assert d.num_new_matched_tokens("foreign", prompt, 0) == 3 * PAGE_TOKENS
