@@ -49,6 +49,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._model_id = str(extra["model_id"]) if extra.get("model_id") else None
         self._clears = 0  # clear() calls: every rank of one server gets the same ones, so their keys agree
         self._attached = False  # the attach's pool registrations are over
+        # SGLang's storage metrics (when it enables them): per batch, pages moved and GB/s, handed over
+        # and cleared by get_stats (bounded, should nobody ask)
+        self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._batches: dict[str, deque[tuple[int, float]]] = {"prefetch": deque(maxlen=100_000),
+                                                              "backup": deque(maxlen=100_000)}
         self._local = threading.local()
         self._clients: list[KVCacheClient] = []
         self._clients_lock = threading.Lock()
@@ -188,7 +195,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             pages.append(page)
         try:
             c = self._client()
+            t0 = time.perf_counter()
             r = c.put(self._keys(keys), pages, wait=True)
+            self._record("backup", r.stored + r.skipped, t0)
             if r.dropped == 0 and r.stored + r.skipped == len(keys):
                 return [True] * len(keys)
             return c.contains(self._keys(keys))  # some were dropped: say which are there
@@ -203,6 +212,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         out = [False] * len(keys)
         targets = self._pieces(host_indices, len(keys))
         pkeys = self._keys(keys)
+        t0 = time.perf_counter()
         try:
             c = self._client()
             for s in range(0, len(keys), c.max_batch):
@@ -219,7 +229,30 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         except KVStoreError as e:
             log.warning("kvstore HiCache backend: prefetch failed: %s", e)
             self._reset()
+        self._record("prefetch", sum(out), t0)
         return out
+
+    def _record(self, kind: str, pages: int, t0: float) -> None:
+        if self._metrics and pages:
+            dt = time.perf_counter() - t0
+            self._batches[kind].append((pages, pages * self.page_bytes / dt / 1e9 if dt > 0 else 0.0))
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call: pages and GB/s of every prefetch and
+        backup batch of the zero-copy calls (None unless SGLang enabled storage metrics)."""
+        if not self._metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        for kind, pgs, bw in (("prefetch", m.prefetch_pgs, m.prefetch_bandwidth),
+                              ("backup", m.backup_pgs, m.backup_bandwidth)):
+            q = self._batches[kind]
+            while q:
+                n, gbps = q.popleft()
+                pgs.append(n)
+                bw.append(gbps)
+        return m
 
     # ---- the older tensor-per-page interface --------------------------------------------------
     def exists(self, key: str) -> bool:

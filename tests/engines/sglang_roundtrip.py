@@ -40,7 +40,7 @@ def backend(a: argparse.Namespace, pool: MHATokenToKVPoolHost, model: str = "tin
             **extra: object) -> Any:
     cfg = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=pool.layout != "layer_first", model_name=model,
+        enable_storage_metrics=True, is_page_first_layout=pool.layout != "layer_first", model_name=model,
         extra_config={"backend_name": "kvstore", "module_path": "kvstore.engines.sglang",
                       "class_name": "KVStoreHiCacheStorage", "interface_v1": 1, "store": a.store,
                       "server": a.server, "mass_home": a.home, **({"tenant": a.tenant} if a.tenant else {}),
@@ -50,6 +50,30 @@ def backend(a: argparse.Namespace, pool: MHATokenToKVPoolHost, model: str = "tin
     if attach:
         b.on_host_pools_registered()  # ... and then, once its pools are registered
     return b
+
+
+def host_metrics(stats: Any) -> dict[str, Any]:
+    """What the backend's get_stats handed SGLang, and SGLang's own collector taking it in (its
+    Prometheus histograms: sample counts and sums)."""
+    from prometheus_client import REGISTRY
+    from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+
+    global _collector
+    if _collector is None:
+        _collector = StorageMetricsCollector(labels={"storage_backend": "kvstore"})
+    _collector.log_storage_metrics(stats)
+    seen = {}
+    for fam in REGISTRY.collect():
+        for smp in fam.samples:
+            if smp.name.startswith(("sglang:prefetch_pgs", "sglang:backup_pgs", "sglang:prefetch_bandwidth",
+                                    "sglang:backup_bandwidth")) and smp.name.endswith(("_count", "_sum")):
+                seen[smp.name] = smp.value
+    return {"prefetch_pgs": stats.prefetch_pgs, "backup_pgs": stats.backup_pgs,
+            "bandwidth_positive": all(x > 0 for x in stats.prefetch_bandwidth + stats.backup_bandwidth),
+            "collector": seen}
+
+
+_collector: Any = None
 
 
 def digests(pool: MHATokenToKVPoolHost, indices: torch.Tensor, n: int) -> list[str]:
@@ -92,6 +116,7 @@ def main() -> None:
         out["exists_before"] = b.batch_exists(keys)
         out["set"] = b.batch_set_v1(keys, idx)
         out["exists_after"] = b.batch_exists(keys)
+        out["backup_metrics"] = host_metrics(b.get_stats())
         out["exists_other_model_id"] = backend(a, host_pool(a.layout), model_id="tiny-llama@rev2").batch_exists(keys)
         b.clear()
         out["exists_after_clear"] = b.batch_exists(keys)
@@ -106,6 +131,7 @@ def main() -> None:
         out["exists"] = b.batch_exists(keys)
         out["exists_with_gap"] = b.batch_exists(keys[:half] + [hashlib.sha256(b"never").hexdigest()] + keys[half:])
         out["got"] = b.batch_get_v1(keys, idx)
+        out["prefetch_metrics"] = host_metrics(b.get_stats())
         other = backend(a, host_pool("layer_first"))  # another layout: another key space
         out["exists_other_layout"] = other.batch_exists(keys)
         other_model = backend(a, host_pool(a.layout), model="another-model")

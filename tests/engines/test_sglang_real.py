@@ -56,6 +56,10 @@ def test_sglang_pages_written_on_one_server_are_read_back_exactly_on_another(hom
     assert w["backend"] == "KVStoreHiCacheStorage"  # SGLang's factory built ours
     assert w["exists_before"] == 0 and w["set"] == [True] * 40 and w["exists_after"] == 40
     assert w["exists_other_model_id"] == 0  # model_id (a weights identity) is in every key
+    # SGLang's storage metrics: one backup batch of 40 pages, taken in by SGLang's own collector
+    bm = w["backup_metrics"]
+    assert bm["backup_pgs"] == [40] and bm["prefetch_pgs"] == [] and bm["bandwidth_positive"]
+    assert bm["collector"]["sglang:backup_pgs_count"] == 1 and bm["collector"]["sglang:backup_pgs_sum"] == 40
     # clear (SGLang's /hicache/storage-backend/clear): no page saved before is found again by that
     # backend, and what it saves afterwards is found under its new keys
     assert w["exists_after_clear"] == 0 and w["set_after_clear"] == [True] * 2
@@ -68,6 +72,9 @@ def test_sglang_pages_written_on_one_server_are_read_back_exactly_on_another(hom
     got: dict[str, Any] = {}
     assert wait_for(lambda: got.update(read_on_b()) or got["exists"] == 40, 30, 0.5)  # replication to b
     assert got["got"] == [True] * 40
+    pm = got["prefetch_metrics"]
+    assert pm["prefetch_pgs"] == [40] and pm["backup_pgs"] == [] and pm["bandwidth_positive"]
+    assert pm["collector"]["sglang:prefetch_pgs_count"] == 1
     assert got["digests"] == w["digests"]  # byte-exact, page by page, in a fresh host pool
     assert got["exists_with_gap"] == 20  # leading hits only: a missing page ends the prefix
     assert got["exists_other_layout"] == 0 and got["exists_other_model"] == 0  # other layouts, other key space
