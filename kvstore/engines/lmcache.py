@@ -31,6 +31,10 @@ loads and unlocks on the other, so loads never queue behind stores. Completion i
 signalled through three event fds as LMCache's controllers expect. A task that fails
 (the service restarting, a timeout) completes as failed; the threads live on and
 reconnect for the next task.
+
+Status. ``report_status`` (LMCache's status API) adds counters since start: objects and
+bytes stored and loaded, failed stores and loads, lookups and their hits, and the
+seconds spent storing and loading.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -162,6 +167,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._loads: dict[int, Any] = {}
         self._locks: dict[Any, tuple[int, list[bytes]]] = {}  # object -> (lock count, pinned page keys)
         self._layouts: dict[int, Layout] = {}  # object group -> layout seen in stores and loads
+        # counters since start, in report_status (LMCache's status API: `lmcache server`'s /info)
+        self._stats = dict.fromkeys(("stored_objects", "stored_bytes", "store_failed_objects", "store_s",
+                                     "lookup_objects", "lookup_hits", "loaded_objects", "loaded_bytes",
+                                     "load_failed_objects", "load_s"), 0.0)
         self._writer = _Lane("kvstore-l2-store", connect)
         self._reader = _Lane("kvstore-l2-read", connect)
         self._writer.start()
@@ -210,7 +219,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return self._submit(self._writer, "store", self._stores, lambda: L2StoreResult(False, 0),
                             lambda c: self._store(c, keys, objects))
 
+    def _count(self, **counts: float) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self._stats[k] += v
+
     def _store(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
+        t0 = time.perf_counter()
         ps = self.page_size
         pkeys: list[bytes] = []
         pages: list[Any] = []
@@ -231,6 +246,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         sizes = [int(o.get_size()) for o in objects]
         if ok:
             self._notify_keys_stored(list(keys), sizes)
+        self._count(stored_objects=len(keys) if ok else 0, stored_bytes=sum(sizes) if ok else 0,
+                    store_failed_objects=0 if ok else len(keys), store_s=time.perf_counter() - t0)
         return L2StoreResult(ok, sum(sizes) if ok else 0)
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
@@ -270,6 +287,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 c.pin(to_pin)  # pages in other servers' areas are not pinned here (see the docstring)
             except QuotaExceeded as e:
                 log.warning("kvstore L2 adapter: %s", e)
+        self._count(lookup_objects=len(keys), lookup_hits=sum(1 for i in range(len(keys)) if found.test(i)))
         return found
 
     def query_lookup_and_lock_result(self, task_id: int) -> Any:
@@ -311,6 +329,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                             lambda c: self._load(c, keys, objects))
 
     def _load(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
+        t0 = time.perf_counter()
         ps = self.page_size
         # every page of every object, read max_batch pages per call
         wanted: list[tuple[int, int, bytes]] = []  # (object, page, key)
@@ -340,6 +359,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 accessed.append(key)
         if accessed:
             self._notify_keys_accessed(accessed)
+        self._count(loaded_objects=len(accessed), load_failed_objects=len(keys) - len(accessed),
+                    loaded_bytes=sum(dsts[i][1] for i in range(len(keys)) if i not in missing),
+                    load_s=time.perf_counter() - t0)
         return loaded
 
     def query_load_result(self, task_id: int) -> Any:
@@ -363,9 +385,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def report_status(self) -> dict[str, Any]:
         with self._lock:
             locked = len(self._locks)
+            stats = {k: (round(v, 4) if k.endswith("_s") else int(v)) for k, v in self._stats.items()}
         return {"is_healthy": self._writer.is_alive() and self._reader.is_alive(), "type": "KVStoreL2Adapter",
                 "store": self._params["store"], "page_size": self.page_size, "locked_objects": locked,
-                "store_queue": self._writer.tasks.qsize(), "read_queue": self._reader.tasks.qsize()}
+                "store_queue": self._writer.tasks.qsize(), "read_queue": self._reader.tasks.qsize(), **stats}
 
 
 __all__ = ["KVStoreL2Adapter", "desc_layout", "object_layout", "page_keys"]

@@ -12,7 +12,7 @@ each with what was stored under *that* key.
 
 ``--wrong-key`` asks each load for the key after it (a deliberately wrong adapter): every
 key must then count as mismatched or missed, which shows the check can fail. Prints one
-JSON line: stored, loaded, verified, mismatched, missed.
+JSON line: stored, loaded, verified, mismatched, missed, and the adapter's numeric status.
 """
 
 from __future__ import annotations
@@ -89,8 +89,10 @@ def main() -> int:
                     verified += 1
                 else:
                     mismatched += 1
+        status = adapter.report_status()  # LMCache's status API (`lmcache server`'s /info shows it)
         print(json.dumps({"stored": len(stored), "loaded": len(keys), "verified": verified,
-                          "mismatched": mismatched, "missed": missed}))
+                          "mismatched": mismatched, "missed": missed,
+                          "status": {k: v for k, v in status.items() if isinstance(v, (int, float))}}))
         return 0
     finally:
         adapter.close()

@@ -87,8 +87,17 @@ def test_every_key_loads_its_own_bytes_in_lmcaches_adapter_machinery(home: Path,
                            env=lm_env(home), capture_output=True, text=True, timeout=300, cwd="/")
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         res[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    status = {m: res[m].pop("status") for m in res}
     assert res["right"] == {"stored": 120, "loaded": 120, "verified": 120, "mismatched": 0, "missed": 0}, res
     assert res["wrong"]["verified"] == 0 and res["wrong"]["mismatched"] + res["wrong"]["missed"] == 120, res
+    # the adapter's counters in LMCache's status API: objects and bytes stored and loaded, failures
+    st = status["right"]
+    assert (st["stored_objects"], st["stored_bytes"], st["store_failed_objects"]) == (120, 120 * 100 * 1024, 0), st
+    assert (st["loaded_objects"], st["loaded_bytes"], st["load_failed_objects"]) == (120, 120 * 100 * 1024, 0), st
+    assert st["store_s"] > 0 and st["load_s"] > 0
+    # the wrong adapter's loads are counted as what they were: loads of the keys it asked for
+    assert status["wrong"]["loaded_objects"] + status["wrong"]["load_failed_objects"] == 120, status["wrong"]
+    assert status["wrong"]["load_failed_objects"] == res["wrong"]["missed"], status["wrong"]
 
 
 def run_bench_server(home: Path, rpc: str, http: str, retrieves: int, matched: int) -> list[str]:
