@@ -19,15 +19,17 @@ Each ``POST /v1/completions`` is sent to the prefill server with ``max_tokens: 1
 ``kv_transfer_params`` naming the pages it stored (the prompt's partial last page included),
 and the proxy hands them to the decode server with the original request. The decode
 server's connector waits (``pd_wait_s``, default 5 s) for announced pages its server has not
-seen yet, loads the whole prompt and recomputes only its last token. The answer is the decode
-server's, with the two legs' seconds in the headers ``X-Prefill-Seconds`` and
-``X-Decode-Seconds``. Non-streaming completions only; both servers must run the same model
-with the same connector settings (``model_id``, ``page_tokens``, tenant).
+seen yet, loads the prompt up to the block holding its last token and computes that block.
+The answer is the decode server's (its status too), with the two legs' seconds in the headers
+``X-Prefill-Seconds`` and ``X-Decode-Seconds``; ``Authorization`` and ``X-Request-Id`` are
+passed on to both servers. Non-streaming completions only; both servers must run the same
+model with the same connector settings (``model_id``, ``page_tokens``, tenant).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import time
 import urllib.error
@@ -36,16 +38,29 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
-def post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """POST ``body`` as JSON to ``url``; the JSON answer (``RuntimeError`` with the server's words
-    on an HTTP error)."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+class Upstream(Exception):
+    """A server answered with an error: its status and body are passed on."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+PASSED_HEADERS = ("Authorization", "X-Request-Id")
+
+
+def post(url: str, body: dict[str, Any], timeout: float, headers: dict[str, str]) -> dict[str, Any]:
+    """POST ``body`` as JSON to ``url``; the JSON answer (``Upstream`` on an HTTP error)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            out: dict[str, Any] = json.loads(r.read())
-            return out
+            out = json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+        raise Upstream(e.code, e.read()) from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{url} answered {type(out).__name__}, not a JSON object")
+    return out
 
 
 def handler(prefill: str, decode: str, timeout: float) -> type[BaseHTTPRequestHandler]:
@@ -71,7 +86,10 @@ def handler(prefill: str, decode: str, timeout: float) -> type[BaseHTTPRequestHa
                 self._answer(404, {"error": f"this proxy serves POST /v1/completions, not {self.path}"})
                 return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                length = int(self.headers.get("Content-Length", 0))
+                if not 0 <= length <= 64 << 20:
+                    raise ValueError(f"Content-Length {length} is not 0..64 MiB")
+                body = json.loads(self.rfile.read(length))
                 if not isinstance(body, dict):
                     raise ValueError("the request body must be a JSON object")
                 if body.get("stream"):
@@ -79,17 +97,26 @@ def handler(prefill: str, decode: str, timeout: float) -> type[BaseHTTPRequestHa
             except ValueError as e:
                 self._answer(400, {"error": str(e)})
                 return
+            passed = {h: v for h in PASSED_HEADERS if (v := self.headers.get(h)) is not None}
             try:
                 t0 = time.monotonic()
                 first = post(prefill + "/v1/completions",
                              {**body, "max_tokens": 1, "min_tokens": 0,
-                              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}, timeout)
+                              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
+                             timeout, passed)
                 t1 = time.monotonic()
                 params = first.get("kv_transfer_params")  # None: the prefill stored nothing; decode computes
-                out = post(decode + "/v1/completions", {**body, "kv_transfer_params": params}, timeout)
+                out = post(decode + "/v1/completions", {**body, "kv_transfer_params": params}, timeout, passed)
                 t2 = time.monotonic()
-            except (OSError, RuntimeError) as e:
-                self._answer(502, {"error": str(e)})
+            except Upstream as e:  # the server's own answer (401, 400, ...), as it gave it
+                self.send_response(e.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(e.body)))
+                self.end_headers()
+                self.wfile.write(e.body)
+                return
+            except (OSError, ValueError, http.client.HTTPException) as e:
+                self._answer(502, {"error": f"{type(e).__name__}: {e}"})
                 return
             self._answer(200, out, {"X-Prefill-Seconds": f"{t1 - t0:.4f}", "X-Decode-Seconds": f"{t2 - t1:.4f}"})
 

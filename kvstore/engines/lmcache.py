@@ -192,13 +192,14 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._efd[kind].notify()
 
     def _submit(self, lane: _Lane, kind: str, table: dict[int, Any], failed: Callable[[], Any],
-                body: Callable[[KVCacheClient], Any]) -> int:
+                body: Callable[[KVCacheClient], Any], objects: int) -> int:
         task_id = next(self._ids)
 
         def task(client: Callable[[], KVCacheClient]) -> None:
             try:
                 result = body(client())
             except Exception:
+                self._count_failed(kind, objects)
                 self._done(kind, table, task_id, failed())
                 raise
             self._done(kind, table, task_id, result)
@@ -207,8 +208,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
             lane.tasks.put_nowait(task)
         except queue.Full:
             log.warning("kvstore L2 adapter: %d tasks queued; failing a %s task", QUEUE_DEPTH, kind)
+            self._count_failed(kind, objects)
             self._done(kind, table, task_id, failed())
         return task_id
+
+    def _count_failed(self, kind: str, objects: int) -> None:
+        """A task that raised or was refused: all its objects failed."""
+        if kind == "store":
+            self._count(store_failed_objects=objects)
+        elif kind == "load":
+            self._count(load_failed_objects=objects)
 
     # ---- store -----------------------------------------------------------------------------
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
@@ -217,7 +226,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         for k, o in zip(keys, objects):
             self._layouts[int(k.object_group_id)] = object_layout(o)
         return self._submit(self._writer, "store", self._stores, lambda: L2StoreResult(False, 0),
-                            lambda c: self._store(c, keys, objects))
+                            lambda c: self._store(c, keys, objects), len(keys))
 
     def _count(self, **counts: float) -> None:
         with self._lock:
@@ -264,7 +273,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             lay = desc_layout(group_layout_descs.get(g)) if group_layout_descs else (0, ())
             layouts.append(lay if lay[0] else self._layouts.get(g))
         return self._submit(self._reader, "lookup", self._lookups, lambda: Bitmap(len(keys)),
-                            lambda c: self._lookup_and_lock(c, keys, layouts))
+                            lambda c: self._lookup_and_lock(c, keys, layouts), len(keys))
 
     def _lookup_and_lock(self, c: KVCacheClient, keys: Sequence[Any], layouts: Sequence[Layout | None]) -> Any:
         found = Bitmap(len(keys))
@@ -326,7 +335,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         for k, o in zip(keys, objects):
             self._layouts[int(k.object_group_id)] = object_layout(o)
         return self._submit(self._reader, "load", self._loads, lambda: Bitmap(len(keys)),
-                            lambda c: self._load(c, keys, objects))
+                            lambda c: self._load(c, keys, objects), len(keys))
 
     def _load(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
         t0 = time.perf_counter()

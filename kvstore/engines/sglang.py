@@ -87,6 +87,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         # SGLang's storage metrics (when it enables them): per batch, pages moved and GB/s, handed over
         # and cleared by get_stats (bounded, should nobody ask)
         self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._host_page_bytes = 0  # SGLang's bytes of one page (set when its host pool is registered)
         self._batches: dict[str, deque[tuple[int, float]]] = {"prefetch": deque(maxlen=100_000),
                                                               "backup": deque(maxlen=100_000)}
         self._local = threading.local()
@@ -128,6 +129,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                              f">= {need} (a multiple of 4 KiB)")
         self.tokens_per_page = tokens
         self._sizes = [int(s) for s in sizes]
+        self._host_page_bytes = need
         self._set_prefix()
 
     def _set_prefix(self) -> None:
@@ -197,7 +199,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             c = self._client()
             t0 = time.perf_counter()
             r = c.put(self._keys(keys), pages, wait=True)
-            self._record("backup", r.stored + r.skipped, t0)
+            self._record("backup", r.stored, t0)  # pages written (a page already stored moves nothing)
             if r.dropped == 0 and r.stored + r.skipped == len(keys):
                 return [True] * len(keys)
             return c.contains(self._keys(keys))  # some were dropped: say which are there
@@ -235,14 +237,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def _record(self, kind: str, pages: int, t0: float) -> None:
         if self._metrics and pages:
             dt = time.perf_counter() - t0
-            self._batches[kind].append((pages, pages * self.page_bytes / dt / 1e9 if dt > 0 else 0.0))
+            # SGLang's bytes of a page, not the store's padded page
+            self._batches[kind].append((pages, pages * self._host_page_bytes / dt / 1e9 if dt > 0 else 0.0))
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call: pages and GB/s of every prefetch and
         backup batch of the zero-copy calls (None unless SGLang enabled storage metrics)."""
         if not self._metrics:
             return None
-        from sglang.srt.observability.metrics_collector import StorageMetrics
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:  # another SGLang layout: no metrics rather than an error in its flush
+            return None
 
         m = StorageMetrics()
         for kind, pgs, bw in (("prefetch", m.prefetch_pgs, m.prefetch_bandwidth),

@@ -287,8 +287,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
+        lora = getattr(request, "lora_request", None)
         self.scheduler.note_request(request.request_id, getattr(request, "cache_salt", None),
-                                    getattr(request, "kv_transfer_params", None))
+                                    getattr(request, "kv_transfer_params", None),
+                                    lora=f"{lora.lora_name}\0{lora.lora_path}" if lora else None,
+                                    opaque=bool(getattr(request, "mm_features", None))
+                                    or getattr(request, "prompt_embeds", None) is not None)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids

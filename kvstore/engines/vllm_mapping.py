@@ -183,6 +183,7 @@ class _Req:
     blocks: list[int]
     saved: int = 0  # leading pages known to be in the store (loaded or saved)
     tail: bool | None = None  # P/D producer: whether the partial last page was saved (None: not yet decided)
+    gap: int | None = None  # the first page not saved (skipped: a null or freed block in it)
 
 
 class SchedulerSide:
@@ -226,6 +227,8 @@ class SchedulerSide:
         self._loaded: dict[str, int] = {}  # req -> pages known stored after its planned load
         self._stored: dict[str, int] = {}  # req -> leading pages the store held when it was looked up
         self._salts: dict[str, str] = {}  # req -> its cache salt
+        self._loras: dict[str, str] = {}  # req -> its LoRA adapter (name and path)
+        self._opaque: set[str] = set()  # requests whose KV depends on more than token ids: never stored
         self.saving: set[str] = set()  # requests with saves planned (their blocks are freed only once saved)
         self._known: set[str] = set()  # requests seen and not finished
         self._stale: set[str] = set()  # requests known at a reset: their KV may be of old weights, never saved
@@ -234,26 +237,36 @@ class SchedulerSide:
         self.stats = TransferStats()  # lookups and skipped saves (the workers count the transfers)
 
     def note_request(self, req_id: str, cache_salt: str | None,
-                     transfer_params: Mapping[str, object] | None = None) -> None:
+                     transfer_params: Mapping[str, object] | None = None, *, lora: str | None = None,
+                     opaque: bool = False) -> None:
         """A request arrived; pages of a request with a cache salt (vLLM's per-user isolation of
         its prefix cache) are keyed under a root that mixes the salt in. ``transfer_params``
         (vLLM's ``kv_transfer_params``) mark a P/D request: ``do_remote_decode`` one this engine
         prefills for another (its partial last page is saved too, and ``transfer_params``
         names what was stored), ``do_remote_prefill`` one another engine prefilled (its prompt
         is loaded up to the block holding its last token, waiting up to ``pd_wait_s`` for
-        announced pages)."""
+        announced pages). ``lora`` (a LoRA adapter's name and path) gives the request's pages a
+        key space of their own, as vLLM's prefix cache does; an ``opaque`` request (multimodal
+        inputs, prompt embeddings: KV that token ids do not name) is neither loaded nor saved."""
         self._known.add(req_id)
         if cache_salt:
             self._salts[req_id] = cache_salt
+        if lora:
+            self._loras[req_id] = lora
+        if opaque:
+            self._opaque.add(req_id)
         if isinstance(transfer_params, Mapping) and (transfer_params.get("do_remote_decode")
                                                      or transfer_params.get("do_remote_prefill")):
             self._pd[req_id] = dict(transfer_params)
 
     def _root(self, req_id: str) -> bytes:
-        salt = self._salts.get(req_id)
-        if salt is None:
-            return self.ns.root()
-        return hashlib.blake2b(self.ns.root() + salt.encode(), digest_size=32, person=b"kvstore-salt").digest()
+        root = self.ns.root()
+        salt, lora = self._salts.get(req_id), self._loras.get(req_id)
+        if salt is not None:
+            root = hashlib.blake2b(root + salt.encode(), digest_size=32, person=b"kvstore-salt").digest()
+        if lora is not None:
+            root = hashlib.blake2b(root + lora.encode(), digest_size=32, person=b"kvstore-lora").digest()
+        return root
 
     def _keys(self, req_id: str, tokens: Sequence[int]) -> list[bytes]:
         return page_keys(self.ns, list(tokens), parent=self._root(req_id))
@@ -291,6 +304,8 @@ class SchedulerSide:
         T = self.ns.page_tokens
         self._matched.pop(req_id, None)
         self._known.add(req_id)
+        if req_id in self._opaque:
+            return 0
         pd = self._pd.get(req_id)
         if pd and pd.get("do_remote_prefill") and self.load:
             got = self._pd_match(req_id, prompt, num_computed_tokens, pd)
@@ -315,13 +330,21 @@ class SchedulerSide:
         return n * T - num_computed_tokens
 
     def _pd_match(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int,
-                  pd: Mapping[str, object]) -> int | None:
-        """A P/D consumer's match: the prompt up to the block holding its last token, once every page
-        the producer announced is in the store (None while waiting, up to ``pd_wait_s``); -1 to
-        fall back to the ordinary match (the producer's keys are not this engine's, or its pages
-        did not arrive in time)."""
-        T = self.ns.page_tokens
-        keys = self._prompt_keys(req_id, prompt)
+                  pd: dict[str, object]) -> int | None:
+        """A P/D consumer's match: the prompt up to the block holding its last token, once the pages
+        of it the producer announced are in the store (None while waiting, up to ``pd_wait_s``); -1
+        to fall back to the ordinary match (the producer's keys are not this engine's, it stored
+        less than this engine would load, or its pages did not arrive in time)."""
+        T, bs = self.ns.page_tokens, self.block_size
+        # up to the block holding the last token, which vLLM computes from its start, as it does after a
+        # hit in its own prefix cache (vLLM's CPU attention dies with SIGILL on a prefill that starts
+        # inside a block, and its own cache never asks for one)
+        end = (len(prompt) - 1) // bs * bs
+        if num_computed_tokens % bs or end <= num_computed_tokens:
+            return 0
+        keys = pd.get("_keys")
+        if not isinstance(keys, list):  # derived once per request: vLLM asks on every pass while it waits
+            keys = pd["_keys"] = self._prompt_keys(req_id, prompt)
         announced, last = pd.get("kvstore_pages"), pd.get("kvstore_last_key")
         if not (isinstance(announced, int) and 0 < announced <= len(keys) and isinstance(last, str)
                 and keys[announced - 1].hex() == last):
@@ -329,34 +352,32 @@ class SchedulerSide:
                         "page_tokens, tenant or prompt); loading only what the store holds", req=req_id)
             self._pd.pop(req_id, None)
             return -1
+        need = -(-end // T)  # pages holding tokens [0, end)
+        if announced < need:  # the producer stored less (skipped pages): what is there, the ordinary way
+            self._pd.pop(req_id, None)
+            return -1
+        want = keys[:need]
+        if self.ns.tp_size > 1:  # every rank's part must be there, not only rank 0's
+            want = want + [rank_key(k, r) for r in range(1, self.ns.tp_size) for k in keys[:need]]
         try:
-            n = self.lookup(keys[:announced])
+            n = self.lookup(want)
         except Exception as e:
             log.warning("kvstore lookup failed; computing", error=repr(e))
             return 0
         now = self.clock()
         deadline = self._pd_deadline.setdefault(req_id, now + self.pd_wait_s)
-        if n < announced:
+        if n < len(want):
             if now < deadline:
                 return None  # announced, not here yet (still being written, or not yet replicated)
             log.warning("kvstore P/D: pages the producer announced did not arrive in time; loading what is "
-                        "there", req=req_id, found=n, announced=len(keys), waited_s=self.pd_wait_s)
-            self._pd.pop(req_id, None)
-            return -1
-        if announced < len(keys):  # whole pages only (no partial page stored): the ordinary match
+                        "there", req=req_id, found=n, needed=len(want), waited_s=self.pd_wait_s)
             self._pd.pop(req_id, None)
             return -1
         whole = len(prompt) // T
         self._stored[req_id] = whole
-        self.stats.add(lookups=1, hit_pages=whole, hit_tokens=whole * T)
-        # up to the block holding the last token, which vLLM computes from its start, as it does after a
-        # hit in its own prefix cache (vLLM's CPU attention dies with SIGILL on a prefill that starts
-        # inside a block, and its own cache never asks for one)
-        end = (len(prompt) - 1) // self.block_size * self.block_size
-        if num_computed_tokens % self.block_size or end <= num_computed_tokens:
-            return 0
+        self.stats.add(lookups=1, hit_pages=need, hit_tokens=end)
         first = num_computed_tokens // T
-        self._matched[req_id] = (num_computed_tokens, first, keys[first:])
+        self._matched[req_id] = (num_computed_tokens, first, keys[first:need])
         return end - num_computed_tokens
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -394,8 +415,8 @@ class SchedulerSide:
         """A request runs this step: track its blocks (``replace_blocks`` for a new or resumed
         request, else ``block_ids`` are appended) and plan the save of the prompt pages
         this step completes."""
-        if req_id in self._stale:
-            return  # known before a reset: whatever it holds or loaded may be of the old weights
+        if req_id in self._stale or req_id in self._opaque:
+            return  # known before a reset (its KV may be of the old weights), or KV that tokens do not name
         r = self._reqs.get(req_id)
         if r is None:
             if prompt is None:
@@ -409,8 +430,10 @@ class SchedulerSide:
         done = min(done, len(r.blocks) // bpp)
         pd = self._pd.get(req_id)
         # a P/D producer also saves the partial last page, once the whole prompt is computed
+        # (only when it holds a block the decoder loads: one before the block of the last token)
         tail = (self.save and r.tail is None and pd is not None and bool(pd.get("do_remote_decode"))
-                and computed_after_step >= len(r.prompt) and len(r.prompt) % T != 0)
+                and computed_after_step >= len(r.prompt) and len(r.prompt) % T != 0
+                and (len(r.prompt) - 1) // self.block_size > len(r.prompt) // T * bpp)
         if not self.save or (done <= r.saved and not tail):
             return
         # vLLM frees a sliding-window block once the window has passed it (remove_skipped_blocks, with
@@ -424,6 +447,7 @@ class SchedulerSide:
             if self.null_block in blocks or p * bpp < freed_blocks:
                 self.skipped_saves += 1
                 self.stats.add(save_skipped_pages=1)
+                r.gap = p if r.gap is None else min(r.gap, p)
                 continue
             pk.append(keys[p])
             pb.append(blocks)
@@ -450,11 +474,13 @@ class SchedulerSide:
         T = self.ns.page_tokens
         whole = len(r.prompt) // T
         keys = self._prompt_keys(req_id, r.prompt) if r.tail else self._keys(req_id, r.prompt[:whole * T])
+        if r.gap is not None:  # announce only the leading pages that were saved
+            keys = keys[:r.gap]
         if not keys:
             return None
+        tail = len(keys) > whole
         return {"do_remote_prefill": True, "do_remote_decode": False, "kvstore_pages": len(keys),
-                "kvstore_tokens": whole * T + (len(r.prompt) - whole * T if r.tail else 0),
-                "kvstore_last_key": keys[-1].hex()}
+                "kvstore_tokens": len(r.prompt) if tail else len(keys) * T, "kvstore_last_key": keys[-1].hex()}
 
     def preempted(self, req_ids: set[str] | None) -> None:
         """Requests preempted this step: the workers finish their saves before the blocks are reused."""
@@ -469,6 +495,8 @@ class SchedulerSide:
         self._loaded.pop(req_id, None)
         self._stored.pop(req_id, None)
         self._salts.pop(req_id, None)
+        self._loras.pop(req_id, None)
+        self._opaque.discard(req_id)
         self._pd.pop(req_id, None)
         self._pd_deadline.pop(req_id, None)
         self._known.discard(req_id)

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore import KVCacheClient  # noqa: E402
-from kvstore.engines.vllm_mapping import PageTransfer, SchedulerSide, WorkerSide, layout_of  # noqa: E402
+from kvstore.engines.vllm_mapping import NULL_BLOCK, PageTransfer, SchedulerSide, WorkerSide, layout_of  # noqa: E402
 from kvstore.keys import KeyNamespace  # noqa: E402
 from kvstore.testing import make_store, wait_for  # noqa: E402
 
@@ -404,3 +404,45 @@ def test_prefill_decode_handoff_moves_the_prompt_up_to_its_last_block_partial_pa
         # a producer whose keys are not ours (another model_id): no wait, the ordinary match
         d.note_request("foreign", None, {"do_remote_prefill": True, "kvstore_pages": 4, "kvstore_last_key": "00" * 32})
         assert d.num_new_matched_tokens("foreign", prompt, 0) == 3 * PAGE_TOKENS
+
+
+def test_prefill_decode_edges_wait_for_nothing_they_will_not_load(store: Path) -> None:
+    """A decoder never waits for pages it would not load (a prompt within one block); a producer that
+    skipped a page announces only the pages before it; a tail page holding no block the decoder loads
+    is not saved."""
+    with KVCacheClient.connect("vllm", home=store) as c:
+        d = SchedulerSide(NS, BS, c.lookup, save=False, clock=lambda: 0.0)
+        short = list(range(50000, 50000 + BS))                     # the last token's block is the only one
+        d.note_request("s", None, {"do_remote_prefill": True, "kvstore_pages": 1,
+                                   "kvstore_last_key": d._prompt_keys("s", short)[-1].hex()})
+        assert d.num_new_matched_tokens("s", short, 0) == 0     # at once, no wait (None would be a wait)
+        # a producer whose page 1 held a null block announces page 0 only
+        p = SchedulerSide(NS, BS, c.lookup, load=False)
+        prompt = list(range(60000, 60000 + 3 * PAGE_TOKENS + BS + 1))
+        p.note_request("g", None, {"do_remote_decode": True})
+        p.schedule("g", prompt, [1, 2, NULL_BLOCK, 4, 5, 6, 7, 8], True, 0, len(prompt))
+        params = p.transfer_params("g")
+        assert params is not None and params["kvstore_pages"] == 1
+        assert params["kvstore_last_key"] == p._keys("g", prompt[:PAGE_TOKENS])[0].hex()
+        # a tail of fewer tokens than a block: the decoder computes that block, so no tail page is saved
+        q = list(range(70000, 70000 + 2 * PAGE_TOKENS + 3))
+        p.note_request("t", None, {"do_remote_decode": True})
+        p.schedule("t", q, list(range(10, 15)), True, 0, len(q))
+        (t,) = [x for x in p.build_plan().saves if x.req_id == "t"]
+        assert len(t.keys) == 2 and p.transfer_params("t")["kvstore_pages"] == 2  # type: ignore[index]
+
+
+def test_lora_adapters_get_key_spaces_of_their_own_and_opaque_inputs_are_never_stored(store: Path) -> None:
+    prompt = list(range(80000, 80000 + 2 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        s = SchedulerSide(NS, BS, c.lookup)
+        s.note_request("base", None)
+        s.note_request("l1", None, lora="sql-adapter\0/adapters/sql")
+        s.note_request("l2", None, lora="chat-adapter\0/adapters/chat")
+        s.note_request("mm", None, opaque=True)
+        for i, r in enumerate(("base", "l1", "l2", "mm")):
+            s.schedule(r, prompt, list(range(1 + 5 * i, 6 + 5 * i)), True, 0, len(prompt))
+        saves = {t.req_id: set(t.keys) for t in s.build_plan().saves}
+        assert set(saves) == {"base", "l1", "l2"}                  # the multimodal request saves nothing
+        assert saves["base"].isdisjoint(saves["l1"]) and saves["l1"].isdisjoint(saves["l2"])
+        assert s.num_new_matched_tokens("mm", prompt, 0) == 0      # ... and loads nothing
