@@ -49,6 +49,10 @@ What it does (logic in ``vllm_mapping.py``):
   (their copies are made in ``wait_for_save``, before the next step can hand
   the blocks to another request); loads never read a page only null blocks
   would receive. Pages the store held at lookup are never copied out again.
+* Keys: token ids in a chain, under the namespace (model id, layout, ranks,
+  tenant); a request's ``cache_salt`` and LoRA adapter (name and path) are mixed
+  into its chain's root; a request with multimodal inputs or prompt embeddings is
+  neither loaded nor saved (token ids do not name its KV).
 * ``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
   loads, ``kv_both`` does both.
 * Prefill/decode disaggregation (``examples/pd_proxy.py``, vLLM's proxy
