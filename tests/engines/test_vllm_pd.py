@@ -113,7 +113,11 @@ def test_the_decoder_loads_the_whole_prompt_the_prefill_server_just_stored(pd: d
             assert float(r.headers["X-Decode-Seconds"]) > 0
         # the decoder's tokens are those of the same prompt computed without any connector
         assert out["choices"][0]["token_ids"] == base[i]["tokens"], (i, out)
-    pages = [-(-len(p) // PAGE_TOKENS) for p in (P, P2)]  # whole pages and the partial last one
+    # whole pages, and a partial last page where it holds a block the decoder loads (P's: tokens 1,792-1,919;
+    # P2's 76 tail tokens are all in the last token's block, which the decoder computes)
+    pages = [len(p) // PAGE_TOKENS + ((len(p) - 1) // BLOCK > len(p) // PAGE_TOKENS * (PAGE_TOKENS // BLOCK))
+             for p in (P, P2)]
+    assert pages == [8, 4]
     # the decoder loads up to the block holding the last token and computes that block, as vLLM does after
     # a hit in its own prefix cache: P 1,920 of 2,000 tokens (its partial page's first block included),
     # P2 1,024 of 1,100
