@@ -565,7 +565,6 @@ class WorkerSide:
                     warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
                     for view in pages:
                         if view is None:
-                            self._count_load(t, done, t0)
                             return t.all_blocks(done)
                         raw = torch.frombuffer(view, dtype=torch.uint8, count=self.page_bytes)
                         blocks, first = t.block_ids[done], t.first[done]
@@ -577,16 +576,13 @@ class WorkerSide:
                             cache.index_copy_(0, idx, page[lo:hi].to(self.device))
                         del raw
                         done += 1
-            self._count_load(t, done, t0)
             return set()
         except Exception as e:
             log.warning("kvstore load failed; these blocks are recomputed", req=t.req_id, error=repr(e))
-            self._count_load(t, done, t0)
             return t.all_blocks(done)
-
-    def _count_load(self, t: PageTransfer, done: int, t0: float) -> None:
-        self.stats.add(load_pages=done, load_bytes=done * self.page_bytes, load_s=time.perf_counter() - t0,
-                       load_failed_pages=len(t.keys) - done)
+        finally:
+            self.stats.add(load_pages=done, load_bytes=done * self.page_bytes, load_s=time.perf_counter() - t0,
+                           load_failed_pages=len(t.keys) - done)
 
     def page_bytes_of(self, blocks: Sequence[int]) -> torch.Tensor:
         """The payload of the page made of ``blocks`` (a contiguous uint8 tensor of ``page_size``)."""
