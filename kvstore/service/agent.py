@@ -11,17 +11,14 @@ same endpoints.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from ..config import StoreConfig
 from ..crdt.agent import ADDRESS_IN_USE_HINT, EXIT_ADDRESS_IN_USE, AgentParams, Peer, agent_main
 from ..crdt.keys import keypair_for, load_keypair
 from ..errors import NotAllowed
-from ..shm.slots import SlotMap
-from ..shm.stats import StatsBlock
 from ..shm.wake import doorbell_name
+from .runtime import Runtime
+from .state import StoreState
 from .sync import SyncLink
 
 STOP_GRACE_S = 5.0  # a replaced agent that ignores SIGTERM this long is killed
@@ -33,18 +30,16 @@ RESPAWN_MAX_S = 4.0
 class AgentProcess:
     """The sync agent's process (see the module doc)."""
 
-    def __init__(self, *, cfg: Callable[[], StoreConfig], server: str, area: int, home: Path, epoch: int,
-                 smap: SlotMap, prefix: str, mp: Any, stats: StatsBlock, log: Any, sync: SyncLink,
-                 resnapshot: set[int], stopping: Callable[[], bool], give_up: Callable[[str], None]) -> None:
-        """``resnapshot``: areas whose full state the agent must fetch again (the supervisor adds to
-        it); ``give_up(why)`` stops the service (this server's key is not on this machine)."""
-        self._cfg = cfg
-        self.server, self.area, self.home, self.epoch = server, area, home, epoch
-        self.smap, self.prefix, self._mp = smap, prefix, mp
-        self.stats, self.log, self.sync = stats, log, sync
+    def __init__(self, st: StoreState, rt: Runtime, *, epoch: int, mp: Any, sync: SyncLink,
+                 resnapshot: set[int]) -> None:
+        """``resnapshot``: areas whose full state the agent must fetch again (the membership part
+        adds to it); an agent that cannot start for want of this server's key stops the service
+        (``StoreState.give_up``)."""
+        self.st = st
+        self.server, self.area, self.home, self.epoch = rt.server, st.area, rt.home, epoch
+        self.smap, self.prefix, self._mp = st.smap, rt.prefix, mp
+        self.stats, self.log, self.sync = st.stats, st.log, sync
         self.resnapshot = resnapshot
-        self._stopping = stopping
-        self._give_up = give_up
         self.proc: Any = None
         self.old: Any = None
         self.old_at = 0.0
@@ -57,13 +52,13 @@ class AgentProcess:
     def spawn(self) -> None:
         """Start an agent for the membership in force."""
         self.respawn_at = 0.0
-        cfg = self._cfg()
+        cfg = self.st.cfg
         me = cfg.servers[self.area]
         try:
             public, secret = keypair_for(cfg.name, me.public_key.encode(), self.home) if me.public_key \
                 else load_keypair(cfg.name, self.server, self.home)
         except NotAllowed as e:  # the administrator gave this server a key this machine does not hold
-            self._give_up(f"{e}; stopped")
+            self.st.give_up(f"{e}; stopped")
             return
         # the membership the new agent serves is the one the supervisor merges for
         self.sync.denied[:len(cfg.servers)] = [s.denied for s in cfg.servers]
@@ -96,11 +91,15 @@ class AgentProcess:
         self.proc = None
         self._finish_stop()
 
+    def turn(self, now: float) -> None:
+        """The tick's work: ``check``."""
+        self.check()
+
     def check(self) -> None:
         """Restart an agent that died (after a back-off when it keeps dying at start); finish
         replacing one."""
         now = time.monotonic()
-        if self.proc is not None and not self.proc.is_alive() and not self._stopping():
+        if self.proc is not None and not self.proc.is_alive() and not self.st.stopping:
             self.quick_deaths = self.quick_deaths + 1 if now - self.started_at < QUICK_DEATH_S else 0
             delay = min(RESPAWN_MAX_S, RESPAWN_FIRST_S * 2 ** (self.quick_deaths - 1)) if self.quick_deaths else 0.0
             if self.proc.exitcode == EXIT_ADDRESS_IN_USE:
@@ -115,7 +114,7 @@ class AgentProcess:
             self.stats.set("sync_restarts", self.restarts)
             self.respawn_at = now + delay
         if self.respawn_at and now >= self.respawn_at and self.proc is None and self.old is None \
-                and not self._stopping():
+                and not self.st.stopping:
             self.spawn()
         self._finish_stop()
 
@@ -129,7 +128,7 @@ class AgentProcess:
             return
         old.join(0)
         self.old = None
-        if not self._stopping() and self.proc is None:
+        if not self.st.stopping and self.proc is None:
             self.spawn()
 
     def stop(self) -> None:

@@ -21,47 +21,39 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..config import StoreConfig
 from ..errors import KVStoreError
 from ..ioworkers.aio import LIB
 from ..ipc.iorings import ST_WORKER_LOST
 from ..ipc import lease as A
 from ..shm.segment import Segment
 from ..shm.wake import WakeReader, client_wake_prefix, make_wake, unlink_wake
-from ..shm.stats import StatsBlock
 from ..ipc import connection as P
-from .connections import Conn, Handshakes, PeerCred, give_back
+from .connections import Conn, Handshakes, PeerCred
+from .runtime import Runtime
+from .state import StoreState
 from .workers import WorkerSlot
 
 
 class Clients:
     """Every client connection of the service (see the module doc)."""
 
-    def __init__(self, *, cfg: Callable[[], StoreConfig], stopping: Callable[[], bool], arena: A.LeaseStates,
-                 stats: StatsBlock, log: Any, prefix: str, mode: int, group: int | None, sock_path: Path,
-                 workers: list[WorkerSlot], n_devices: int, lease_buffers: int, page_size: int,
-                 hello: dict[str, Any]) -> None:
-        """``cfg`` gives the store config in force (it is replaced on reload); ``workers``: the
-        device workers (their connection tables); ``lease_buffers``: buffers per connection;
-        ``hello``: the fields every accepted hello carries."""
-        self._cfg = cfg
-        self._stopping = stopping
-        self.arena = arena
-        self.stats = stats
-        self.log = log
-        self.prefix, self.mode, self.group = prefix, mode, group
-        self.sock_path = sock_path
+    def __init__(self, st: StoreState, rt: Runtime, workers: list[WorkerSlot]) -> None:
+        """``workers``: the device workers (their connection tables)."""
+        self.st = st
+        self.arena = st.arena
+        self.stats = st.stats
+        self.log = st.log
+        self.prefix, self.mode, self.group = rt.prefix, rt.mode, rt.group
+        self.sock_path = rt.sock_path
         self.workers = workers
-        self.n_devices = n_devices
-        self.lease_buffers = lease_buffers
-        self.page_size = page_size
-        self.hello = hello
+        self.n_devices = len(workers)
+        self.lease_buffers = st.cfg.service.client_buffers
+        self.page_size = st.cfg.page_size
+        self.hello = rt.hello(st, [w.wake_name for w in workers])
         self.conns: dict[int, Conn] = {}
         self.tenant_ids: dict[str, int] = {}
         """Tenant name -> the small id the allocator counts slots and pins under."""
@@ -90,6 +82,10 @@ class Clients:
         self.lsock = s
         self.handshakes = Handshakes(s)
 
+    def turn(self, now: float) -> None:
+        """The tick's work: handshakes, new connections, gone clients."""
+        self.poll()
+
     def poll(self) -> None:
         """Advance handshakes, open the connections whose hello is complete, reap gone clients."""
         assert self.handshakes is not None
@@ -113,7 +109,7 @@ class Clients:
         s.close()
 
     def _open(self, s: socket.socket, cred: PeerCred, msg: dict[str, Any]) -> None:
-        cfg = self._cfg()
+        cfg = self.st.cfg
         if msg.get("v") != P.VERSION or msg.get("op") != "hello":
             return self._refuse(s, "protocol", f"expected a version {P.VERSION} hello "
                                 "(client and service of different kvstore versions?)")
@@ -137,7 +133,7 @@ class Clients:
             return self._refuse(s, "tenant", str(e))
         used = {c.id for c in self.conns.values()}
         free = [i for i in range(cfg.service.max_clients) if i not in used]
-        if not free or self._stopping():
+        if not free or self.st.stopping:
             return self._refuse(s, "busy", f"the service has its maximum of {cfg.service.max_clients} "
                                 "clients (service.max_clients in the store config)")
         cid = free[0]

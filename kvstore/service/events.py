@@ -22,6 +22,10 @@ its prompts with ``block_hash(salt, page_key)`` (``kvstore.keys`` gives the
 page keys; the salt is the tenant's, ``StoreConfig.tenant_salt(tenant).hex()``,
 which the administrator hands the router: the store salt itself is never a
 digest key), so it needs no token ids.
+
+``ChangeEvents`` subscribes a publisher to the service's slot-change feed
+(``changes.py``): stored and merged pages become BlockStored, retired, replaced
+and forgotten ones BlockRemoved.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from collections import deque
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from ..digests import key_id
+from ..shm.slots import VALID
+from .changes import FORGOTTEN, RETIRED, STORED, Change
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -139,3 +146,29 @@ class EventPublisher:
         self.pub.close(0)
         self.replay.close(0)
         self.ctx.term()
+
+
+class ChangeEvents:
+    """The slot-change feed as KV events: ``digests(gids)`` reads the slots' digests."""
+
+    BATCH = 1024
+
+    def __init__(self, pub: EventPublisher, digests: Any) -> None:
+        self.pub = pub
+        self.digests = digests
+
+    @classmethod
+    def subscribe(cls, pub: EventPublisher, st: Any) -> ChangeEvents:
+        """Announce every page ``st`` (a ``StoreState``) holds now, then every change."""
+        sink = cls(pub, st.digests)
+        sink(Change(STORED, np.nonzero(st.slots["state"] == VALID)[0].astype(np.int64)))
+        st.changes.subscribe(sink)
+        return sink
+
+    def __call__(self, ch: Change) -> None:
+        if ch.removed:
+            self.pub.removed(list(ch.removed))
+        gone = ch.kind in (RETIRED, FORGOTTEN)
+        for s in range(0, len(ch.gids), self.BATCH):
+            d = self.digests(ch.gids[s:s + self.BATCH])
+            (self.pub.removed if gone else self.pub.stored)(d)

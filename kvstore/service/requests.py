@@ -12,65 +12,35 @@ answered. A direct read's report (the client already has its page) is counted, h
 peers, and drops a location that failed validation.
 ``fail_device`` answers the I/Os of a lost worker.
 
-It works on the service's state through ``Store`` (the supervisor): the slot table, the key
-index, the allocator, the workers, the clients; the supervisor replaces some of it on a
-membership change, so this module never keeps its own copy.
+It works on the service's state (``state.StoreState``: the slot table, the key index, the
+allocator; the config and superblocks are replaced on a membership change, so this module
+never keeps its own copy), the device workers' rings and the client connections. Pages it
+stores go to the state's change feed, and so to peers and KV-event subscribers.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from ..config import StoreConfig
 from ..digests import salted_words
 from ..ipc.iorings import (F_CSUM, IO_REQUEST, K_DIRECT, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_BAD_HEADER, ST_OK,
                                   ST_REFUSED, ST_STALE,
                                   ST_WORKER_LOST)
 from ..ipc import lease as A
-from ..ipc.lease import LeaseStates
 from ..shm.ring import RingCorrupt
-from ..shm.index import KeyIndex
-from ..shm.slots import RETIRED, VALID, SlotMap
-from ..shm.stats import StatsBlock
+from ..shm.slots import RETIRED, VALID
 from ..storage.header import HEADER_BLOCK
-from ..storage.superblock import Superblock
 from ..ipc import connection as P
-from .allocator import Allocator
 from .clients import Clients
 from .connections import Conn, Request, answer, give_back, take
+from .state import StoreState
 from .workers import WorkerSlot
 
 FLUSH_EVERY = 8  # I/Os queued for one worker before they are handed over (also at the end of each request)
-
-
-class Store(Protocol):
-    """What the request engine reads and changes of the service (the supervisor provides it)."""
-
-    cfg: StoreConfig
-    log: Any
-    stats: StatsBlock
-    arena: LeaseStates
-    slots: np.ndarray[Any, Any]
-    index: KeyIndex
-    alloc: Allocator
-    smap: SlotMap
-    sbs: tuple[Superblock, ...]
-    local: np.ndarray[Any, Any]
-    own: list[range]
-    area: int
-    workers: list[WorkerSlot]
-    clients: Clients | None
-    hints: list[int]
-    stop: bool
-
-    def _note(self, gid: int) -> None: ...
-    def _emit_stored(self, gids: Any) -> None: ...
-    def _emit_removed(self, digests: list[bytes]) -> None: ...
-    def _digests(self, gids: Any) -> list[bytes]: ...
 
 
 @dataclass
@@ -94,8 +64,10 @@ class Requests:
     exactly once, and every I/O in ``pending`` completes exactly once (by the worker, or by
     ``fail_device``)."""
 
-    def __init__(self, store: Store) -> None:
-        self.s = store
+    def __init__(self, st: StoreState, workers: list[WorkerSlot], clients: Clients) -> None:
+        self.st = st
+        self.workers = workers
+        self.clients = clients
         self.pending: dict[int, Op] = {}   # tag -> the I/O a worker has (or will have)
         self.writing: dict[bytes, int] = {}  # salted digest -> slot being written (dedupe)
         self.next_tag = 1
@@ -105,32 +77,35 @@ class Requests:
         self._ins_gids: list[int] = []
         self._finish: list[Request] = []  # puts to answer at ``_settle``, once their pages are indexed
 
-    def _own_device(self, gid: int) -> int | None:
-        d, a, _s = self.s.smap.locate(gid)
-        return d if a == self.s.area else None
+    def turn(self, now: float) -> int:
+        """One turn of the loop: completions first, then requests; returns how many were handled."""
+        return self.drain() + self.serve()
+
+    def queued(self, device: int) -> bool:
+        """Whether I/O of ``device`` is outstanding (``Workers`` judges a stalled loop by it)."""
+        return any(op.device == device for op in self.pending.values())
 
     # ---- requests ----------------------------------------------------------------------------
     def serve(self) -> int:
         """Take at most one request per connection per loop turn (no client can starve another)."""
         n = 0
-        assert self.s.clients is not None
-        for conn in list(self.s.clients.conns.values()):
+        for conn in list(self.clients.conns.values()):
             if not conn.alive or conn.busy is not None:
                 continue
             try:
                 m = conn.chan.requests.get_checked()
             except RingCorrupt as e:  # the client wrote garbage into its own ring: it goes
-                self.s.clients.refuse(conn.id, conn.generation & 0xFFFFFFFF, str(e))
+                self.clients.refuse(conn.id, conn.generation & 0xFFFFFFFF, str(e))
                 continue
             except Exception:
                 continue
             n += 1
-            got = take(conn, m, self.s.arena)
+            got = take(conn, m, self.st.arena)
             if got is None:
-                self.s.stats.add("requests_rejected")
+                self.st.stats.add("requests_rejected")
                 continue
             if isinstance(got, int):
-                self.s.stats.add("requests_rejected")
+                self.st.stats.add("requests_rejected")
                 answer(conn, int(m["desc"]), int(m["seq"]), got)
                 continue
             self._handle(got)
@@ -147,8 +122,8 @@ class Requests:
         op = req.op
         if req.cancelled:  # the client timed out before we got to it: do nothing, give everything back
             for b in req.bufs:
-                give_back(req.conn, b, self.s.arena, A.FREE)
-            self.s.stats.add("requests_cancelled")
+                give_back(req.conn, b, self.st.arena, A.FREE)
+            self.st.stats.add("requests_cancelled")
             return self._respond(req, P.S_CANCELLED)
         if op == P.OP_PING:
             return self._respond(req)
@@ -163,28 +138,28 @@ class Requests:
         return self._put(req, words)
 
     def _lookup(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        gids = self.s.index.lookup(words, self.s.local)
+        gids = self.st.index.lookup(words, self.st.local)
         hit = gids >= 0
         req.results[:] = np.where(hit, P.R_HIT, P.R_MISS)
         if hit.any():
-            self.s.alloc.touch(gids[hit])
+            self.st.alloc.touch(gids[hit])
         lead = int(np.argmin(hit)) if not hit.all() else len(hit)
-        self.s.stats.add("lookups")
-        self.s.stats.add("lookup_keys", req.count)
+        self.st.stats.add("lookups")
+        self.st.stats.add("lookup_keys", req.count)
         self._respond(req, P.S_OK, lead)
 
     def _pin(self, req: Request, words: np.ndarray[Any, Any], pin: bool) -> None:
         conn = req.conn
         res = req.results
-        gids = self.s.index.lookup(words, self.s.local)
-        quota = self.s.cfg.pin_quota_for(conn.tenant, sum(len(r) for r in self.s.own))
+        gids = self.st.index.lookup(words, self.st.local)
+        quota = self.st.cfg.pin_quota_for(conn.tenant, sum(len(r) for r in self.st.own))
         done = 0
         for i, g in enumerate(gids.tolist()):
-            if g < 0 or not self.s.local[g]:
+            if g < 0 or not self.st.local[g]:
                 res[i] = P.R_MISS  # only pages in this server's own areas can be pinned here
             elif not pin:
-                res[i] = P.R_PINNED if self.s.alloc.unpin_client(g, conn.tenant_id) else P.R_MISS
-            elif self.s.alloc.pin_client(g, conn.tenant_id, quota):
+                res[i] = P.R_PINNED if self.st.alloc.unpin_client(g, conn.tenant_id) else P.R_MISS
+            elif self.st.alloc.pin_client(g, conn.tenant_id, quota):
                 res[i] = P.R_PINNED
             else:
                 res[i] = P.R_QUOTA
@@ -195,14 +170,14 @@ class Requests:
                   length: int, csum: int | None = None) -> bool:
         """Queue one I/O for its device's worker (``_flush`` hands it over); False when that
         worker is being replaced."""
-        d, a, s = self.s.smap.locate(gid)
-        w = self.s.workers[d]
+        d, a, s = self.st.smap.locate(gid)
+        w = self.workers[d]
         if w.proc is None:
             return False
-        sb = self.s.sbs[d]
+        sb = self.st.sbs[d]
         tag = self.next_tag
         self.next_tag += 1
-        gen = int(self.s.slots["gen"][gid])
+        gen = int(self.st.slots["gen"][gid])
         xfer = HEADER_BLOCK + (length + 4095) // 4096 * 4096
         out = self._out.setdefault((d, op), [])
         out.append((tag, op, buf, sb.areas[a].offset + s * sb.slot_size, xfer, gen,
@@ -222,24 +197,24 @@ class Requests:
         ``REQUEST_RING`` arena buffers (checked at start-up)."""
         for (d, op), recs in self._out.items():
             if recs:
-                w = self.s.workers[d]
+                w = self.workers[d]
                 (w.rings.reads if op == OP_READ else w.rings.writes).put_many(np.array(recs, dtype=IO_REQUEST))
                 recs.clear()
                 w.wake.post()
 
     def _get(self, req: Request, words: np.ndarray[Any, Any]) -> None:
-        gids = self.s.index.lookup(words, self.s.local)
+        gids = self.st.index.lookup(words, self.st.local)
         req.results[:] = P.R_MISS
-        self.s.stats.add("gets")
+        self.st.stats.add("gets")
         found = np.nonzero(gids >= 0)[0]
-        self.s.stats.add("misses", req.count - len(found))
+        self.st.stats.add("misses", req.count - len(found))
         for i in found:
             gid = int(gids[i])
-            self.s.alloc.pin(gid)
+            self.st.alloc.pin(gid)
             if not self._dispatch(req, int(i), gid, req.bufs[i], OP_READ, words[i],
-                                  int(self.s.slots["length"][gid])):
-                self.s.alloc.unpin(gid)
-                self.s.stats.add("misses")
+                                  int(self.st.slots["length"][gid])):
+                self.st.alloc.unpin(gid)
+                self.st.stats.add("misses")
         self._flush()
         self._maybe_finish(req)
 
@@ -247,49 +222,49 @@ class Requests:
         res = req.results
         n = req.count
         wait = bool(req.flags & P.FLAG_WAIT)
-        present = self.s.index.contains(words)
-        self.s.stats.add("puts")
-        self.s.stats.add("put_pages", n)
+        present = self.st.index.contains(words)
+        self.st.stats.add("puts")
+        self.st.stats.add("put_pages", n)
         seen: set[bytes] = set()
-        ndev = len(self.s.workers)
-        quota = self.s.cfg.quota_for(req.conn.tenant)
+        ndev = len(self.workers)
+        quota = self.st.cfg.quota_for(req.conn.tenant)
         for i in range(n):
             key = words[i].tobytes()
             buf = req.bufs[i]
             length = int(req.lengths[i])
-            if present[i] or key in self.writing or key in seen or not 0 < length <= self.s.cfg.page_size:
-                res[i] = P.R_SKIPPED if 0 < length <= self.s.cfg.page_size else P.R_DROPPED
-                self.s.stats.add("put_skipped" if res[i] == P.R_SKIPPED else "put_dropped")
-                give_back(req.conn, buf, self.s.arena, A.FREE)
+            if present[i] or key in self.writing or key in seen or not 0 < length <= self.st.cfg.page_size:
+                res[i] = P.R_SKIPPED if 0 < length <= self.st.cfg.page_size else P.R_DROPPED
+                self.st.stats.add("put_skipped" if res[i] == P.R_SKIPPED else "put_dropped")
+                give_back(req.conn, buf, self.st.arena, A.FREE)
                 continue
             seen.add(key)
             gid = -1
             dev = -1
             for k in range(ndev):
                 d = (self.rr + k) % ndev
-                if self.s.workers[d].proc is None:
+                if self.workers[d].proc is None:
                     continue  # its worker is being replaced
-                gid = self.s.alloc.allocate(d, req.conn.tenant_id, quota)
+                gid = self.st.alloc.allocate(d, req.conn.tenant_id, quota)
                 if gid >= 0:
                     dev = d
                     break
             self.rr = (self.rr + 1) % ndev
             if gid < 0:
                 res[i] = P.R_DROPPED
-                self.s.stats.add("put_dropped")
-                give_back(req.conn, buf, self.s.arena, A.FREE)
+                self.st.stats.add("put_dropped")
+                give_back(req.conn, buf, self.st.arena, A.FREE)
                 continue
             self.writing[key] = gid
             res[i] = P.R_QUEUED
             if not self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length,
                                   None if req.csums is None else int(req.csums[i])):
                 self.writing.pop(key, None)
-                self.s.alloc.abandon(gid, dev)
+                self.st.alloc.abandon(gid, dev)
                 res[i] = P.R_DROPPED
-                self.s.stats.add("put_dropped")
-                give_back(req.conn, buf, self.s.arena, A.FREE)
+                self.st.stats.add("put_dropped")
+                give_back(req.conn, buf, self.st.arena, A.FREE)
         self._flush()
-        self.s.stats.set("evictions", self.s.alloc.evictions)
+        self.st.stats.set("evictions", self.st.alloc.evictions)
         if not wait:
             self._respond(req)
         self._maybe_finish(req)
@@ -306,14 +281,14 @@ class Requests:
                     req.results[i] = P.R_MISS
                     req.conn.inuse.discard(b)  # QUARANTINE: freed when the hung worker is reaped
                 else:
-                    give_back(req.conn, b, self.s.arena, A.FREE if cancelled else A.CLIENT)
+                    give_back(req.conn, b, self.st.arena, A.FREE if cancelled else A.CLIENT)
             if cancelled:
                 status = P.S_CANCELLED
-                self.s.stats.add("requests_cancelled")
-            self.s.stats.observe(0, time.monotonic() - req.t0)
+                self.st.stats.add("requests_cancelled")
+            self.st.stats.observe(0, time.monotonic() - req.t0)
         elif req.cancelled:
             status = P.S_CANCELLED
-            self.s.stats.add("requests_cancelled")
+            self.st.stats.add("requests_cancelled")
         self._respond(req, status)
 
     # ---- completions -------------------------------------------------------------------------
@@ -323,42 +298,41 @@ class Requests:
         req.outstanding -= 1
         req.conn.ops -= 1
         if op.op == OP_READ:
-            self.s.alloc.unpin(op.gid)
+            self.st.alloc.unpin(op.gid)
             if status == ST_OK:
                 res[op.index] = P.R_HIT  # gets are answered only once all their reads completed
-                if not self.s.local[op.gid] and len(self.s.hints) < 4096:
-                    self.s.hints.append(op.gid)
-                self.s.stats.add("hits")
-                self.s.stats.add("pages_read")
-                self.s.stats.add("bytes_read", op.length)
+                if not self.st.local[op.gid] and len(self.st.hints) < 4096:
+                    self.st.hints.append(op.gid)
+                self.st.stats.add("hits")
+                self.st.stats.add("pages_read")
+                self.st.stats.add("bytes_read", op.length)
             else:
                 res[op.index] = P.R_MISS
-                self.s.stats.add("misses")
+                self.st.stats.add("misses")
                 if status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
-                    self.s.stats.add("validation_failures")
+                    self.st.stats.add("validation_failures")
                     self._distrust(op.gid, op.gen, status)
                 else:
-                    self.s.stats.add("io_errors")
+                    self.st.stats.add("io_errors")
         else:
             self.writing.pop(op.words.tobytes(), None)
             if status == ST_OK:
-                self.s.alloc.commit(op.gid, op.words, op.length)
+                self.st.alloc.commit(op.gid, op.words, op.length)
                 self._ins_words.append(op.words)  # indexed in ``_settle``, before any answer
                 self._ins_gids.append(op.gid)
-                self.s._note(op.gid)
-                self.s._emit_stored([op.gid])
+                self.st.changes.stored([op.gid])
                 res[op.index] = P.R_STORED
-                self.s.stats.add("pages_written")
-                self.s.stats.add("bytes_written", op.length)
+                self.st.stats.add("pages_written")
+                self.st.stats.add("bytes_written", op.length)
             else:
-                self.s.alloc.abandon(op.gid, op.device)
+                self.st.alloc.abandon(op.gid, op.device)
                 res[op.index] = P.R_DROPPED
-                self.s.stats.add("put_dropped")
-                self.s.stats.add("io_errors")
+                self.st.stats.add("put_dropped")
+                self.st.stats.add("io_errors")
             if op.buf in req.quarantined:
                 req.conn.inuse.discard(op.buf)
             else:
-                give_back(req.conn, op.buf, self.s.arena, A.FREE)
+                give_back(req.conn, op.buf, self.st.arena, A.FREE)
             self._finish.append(req)
             return
         self._maybe_finish(req)
@@ -367,7 +341,7 @@ class Requests:
         """Index the pages whose writes completed in this batch (one compiled call), then
         answer the puts they finished: an answered put's pages are found."""
         if self._ins_gids:
-            self.s.index.insert_many(np.array(self._ins_words, dtype=np.uint64).reshape(-1, 4),
+            self.st.index.insert_many(np.array(self._ins_words, dtype=np.uint64).reshape(-1, 4),
                                      np.array(self._ins_gids, dtype=np.int64))
             self._ins_words.clear()
             self._ins_gids.clear()
@@ -384,46 +358,45 @@ class Requests:
         status = int(c["status"])
         if status == ST_REFUSED:
             tag = int(c["tag"])
-            self.s.stats.add("direct_refused")
-            if self.s.clients is not None:
-                self.s.clients.refuse(tag & 0xFFFFFFFF, tag >> 32)
+            self.st.stats.add("direct_refused")
+            self.clients.refuse(tag & 0xFFFFFFFF, tag >> 32)
             return
         if status == ST_STALE:  # changed since the client looked: a miss (the client counts it)
             return
         where = int(c["where"])
         try:
-            gid = self.s.smap.gid(d, where >> 40, where & ((1 << 40) - 1))
+            gid = self.st.smap.gid(d, where >> 40, where & ((1 << 40) - 1))
         except IndexError:
             return
         if status == ST_OK:
-            self.s.stats.add("hits")
-            self.s.stats.add("pages_read")
-            self.s.stats.add("bytes_read", int(self.s.slots["length"][gid]))
-            if not self.s.local[gid] and len(self.s.hints) < 4096:
-                self.s.hints.append(gid)
+            self.st.stats.add("hits")
+            self.st.stats.add("pages_read")
+            self.st.stats.add("bytes_read", int(self.st.slots["length"][gid]))
+            if not self.st.local[gid] and len(self.st.hints) < 4096:
+                self.st.hints.append(gid)
         elif status in (ST_BAD_HEADER, ST_BAD_CHECKSUM):
-            self.s.stats.add("validation_failures")
+            self.st.stats.add("validation_failures")
             self._distrust(gid, int(c["gen"]), status)
         else:
-            self.s.stats.add("io_errors")
+            self.st.stats.add("io_errors")
 
     def _distrust(self, gid: int, gen: int, status: int) -> None:
         """Drop the location of a page that failed validation, if the slot still holds what was read."""
-        if int(self.s.slots["gen"][gid]) == gen and self.s.slots["state"][gid] == VALID:
-            own = self._own_device(gid)
+        if int(self.st.slots["gen"][gid]) == gen and self.st.slots["state"][gid] == VALID:
+            own = self.st.own_device(gid)
             if own is not None:
-                self.s.alloc.drop(gid, own)
+                self.st.alloc.drop(gid, own)
             else:
                 # another server's slot: distrust this generation only (RETIRED at the
                 # same generation outranks a re-delivered VALID; its next write does not)
-                self.s.slots["state"][gid] = RETIRED
-                self.s._emit_removed(self.s._digests([gid]))
-        self.s.log.warning("page failed validation; location dropped", gid=gid,
+                self.st.changes.forgotten([gid])
+                self.st.slots["state"][gid] = RETIRED
+        self.st.log.warning("page failed validation; location dropped", gid=gid,
                          reason="header" if status == ST_BAD_HEADER else "checksum")
 
     def drain(self) -> int:
         n = 0
-        for w in self.s.workers:
+        for w in self.workers:
             if w.proc is None:
                 continue  # being replaced: its rings are reset before the new worker starts
             for c in w.rings.done.get_batch(256):
@@ -449,10 +422,10 @@ class Requests:
             if not dead:
                 held.append((op.req.conn, op.buf))
                 op.req.quarantined.add(op.buf)
-                self.s.arena.set_state(op.buf, A.QUARANTINE)
+                self.st.arena.set_state(op.buf, A.QUARANTINE)
             self._complete(op, ST_WORKER_LOST)
         self._settle()
         return held
 
 
-__all__ = ["Op", "Requests", "Store"]
+__all__ = ["Op", "Requests"]

@@ -27,6 +27,8 @@ from ..crdt.register import REGISTER_DTYPE
 from ..shm.index import KeyIndex
 from ..shm.slots import RETIRED, VALID, SlotMap, entry_words
 from ..shm.stats import StatsBlock
+from .changes import Change
+from .state import StoreState
 
 log = structlog.get_logger(__name__)
 
@@ -50,8 +52,9 @@ class SyncLink:
                  epoch: int, log_capacity: int, stats: StatsBlock,
                  on_change: Callable[[list[bytes], np.ndarray[Any, Any]], None] | None = None,
                  on_hint: Callable[[np.ndarray[Any, Any]], None] | None = None) -> None:
-        """``on_change(removed digests, gids now valid)`` hears what each merge changed (KV events);
-        ``on_hint(gids)`` hears which of our slots peers read (still holding what they read)."""
+        """``on_change(removed digests, gids now valid)`` hears what each merge changed;
+        ``on_hint(gids)`` hears which of our slots peers read (still holding what they read).
+        ``of`` wires these to a service's state."""
         self.rings = SyncRings(buf)
         self.slots = slots
         self.smap = smap
@@ -70,6 +73,31 @@ class SyncLink:
         # killed right after a save), which no other log holds. An area larger than the log
         # wraps it, and such a peer is answered with a snapshot instead (``_queue_answer``).
         self.log.append(np.concatenate([registers_of(slots, smap, d, area) for d in range(smap.n_devices)]))
+        self.pending: list[tuple[int, Any]] = []
+        """Own registers as they were when they changed, to publish at the end of the turn."""
+
+    @classmethod
+    def of(cls, st: StoreState, buf: Any, epoch: int) -> SyncLink:
+        """The link of a service: merges announced on ``st.changes``, peers' reads touch the
+        allocator's CLOCK bits, own changes from the feed published each turn."""
+        link = cls(buf, st.slots, st.smap, st.index, st.area, epoch, st.cfg.sync.delta_log_records, st.stats,
+                   on_change=st.changes.merged, on_hint=st.alloc.touch)
+        st.changes.subscribe(link.hear)
+        return link
+
+    def hear(self, ch: Change) -> None:
+        """Queue the register of an own change *as it is now* (a retired slot is often rewritten
+        in the same turn, before the batch is published)."""
+        if ch.own:
+            self.pending.extend((int(g), self.slots[g].copy()) for g in ch.gids)
+
+    def turn(self, now: float) -> int:
+        """Merge peers' registers, push answers, publish this turn's own changes; records handled."""
+        n = self.drain() + self.serve_answers()
+        if self.pending:
+            self.publish(self.pending)
+            self.pending = []
+        return n
 
     def publish(self, updates: list[tuple[int, Any]]) -> None:
         """Record own registers, as captured when they changed, as updates and offer them to the agent.
@@ -139,7 +167,7 @@ class SyncLink:
             changed = apply(self.slots, gids, regs)
             if len(changed):
                 valid = changed[self.slots["state"][changed] == VALID]
-                if self.on_change is not None:
+                if self.on_change is not None:  # (the digests cost: computed only for listeners)
                     old = before[np.searchsorted(uniq, changed)]
                     self.on_change([bytes(d) for d in entry_words(old[old["state"] == VALID])], valid)
                 self.index.index_slots(valid)

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from ..config import StoreConfig
 from ..ipc.iorings import WorkerRings
-from ..ioworkers.worker import WorkerParams, worker_main
+from ..ioworkers.worker import worker_main
 from ..ipc import lease as A
 from ..shm.segment import Segment
 from ..shm.wake import WakeReader
-from ..shm.stats import D, StatsBlock
+from ..shm.stats import D
 from .connections import Conn, give_back
+from .runtime import Runtime
+from .state import StoreState
 
 
 @dataclass
@@ -48,34 +49,50 @@ class WorkerSlot:
 class Workers:
     """Every device worker of the service (see the module doc)."""
 
-    def __init__(self, *, cfg: Callable[[], StoreConfig], stopping: Callable[[], bool], mp: Any, stats: StatsBlock,
-                 log: Any, arena: A.BufferStates, params: Callable[[WorkerSlot], WorkerParams],
-                 queued: Callable[[int], bool], on_lost: Callable[[int, bool], list[tuple[Conn, int]]],
+    def __init__(self, st: StoreState, rt: Runtime, mp: Any, *, queued: Callable[[int], bool],
+                 on_lost: Callable[[int, bool], list[tuple[Conn, int]]],
                  on_replaced: Callable[[int], None]) -> None:
-        """``params(slot)``: what a worker of that device is started with; ``queued(device)``: the
-        service has I/O of that device outstanding; ``on_lost(device, dead)``: fail the I/Os of a
-        lost worker, returning the (connection, buffer) pairs a kernel I/O may still land in
-        unless ``dead``; ``on_replaced(device)``: the old worker is gone, the new one starts."""
-        self._cfg = cfg
-        self._stopping = stopping
+        """Make each device's rings and wake-up (through ``rt``); nothing is spawned yet.
+        ``queued(device)``: the service has I/O of that device outstanding; ``on_lost(device,
+        dead)``: fail the I/Os of a lost worker, returning the (connection, buffer) pairs a kernel
+        I/O may still land in unless ``dead``; ``on_replaced(device)``: the old worker is gone,
+        the new one starts."""
+        self.st = st
+        self.rt = rt
         self._mp = mp
-        self.stats = stats
-        self.log = log
-        self.arena = arena
-        self._params = params
+        self.stats = st.stats
+        self.log = st.log
+        self.arena = st.arena
         self._queued = queued
         self._on_lost = on_lost
         self._on_replaced = on_replaced
+        n = st.cfg.service.max_clients
         self.slots: list[WorkerSlot] = []
+        for d, path in enumerate(st.cfg.devices):
+            # the worker's rings and connection table: the service's and the worker's alone
+            seg = rt.segment(f"w{d}", WorkerRings.nbytes(n), 0o600)
+            rings = WorkerRings(seg.buf, n)
+            rings.pins[:] = -1  # no direct read pins anything yet
+            wake = rt.wake(rt.worker_wake(d))  # drained by the worker; this end keeps it open and posts
+            self.slots.append(WorkerSlot(d, path, seg, rings, wake, rt.worker_wake(d)))
         self.zombies: list[tuple[Any, list[tuple[Conn, int]]]] = []
         self._last_check_ns = 0
 
     def spawn(self, w: WorkerSlot) -> None:
         """Start ``w``'s worker process."""
-        w.proc = self._mp.Process(target=worker_main, args=(self._params(w),), daemon=True,
-                                  name=f"kvstore-io-{self._cfg().name}-{w.device}")
+        w.proc = self._mp.Process(target=worker_main, args=(self.rt.worker_params(self.st, w.device, w.path),),
+                                  daemon=True, name=f"kvstore-io-{self.st.cfg.name}-{w.device}")
         w.proc.start()
         self.stats.dev_set(w.device, "pid", w.proc.pid)
+
+    def spawn_all(self) -> None:
+        """Start every device's worker."""
+        for w in self.slots:
+            self.spawn(w)
+
+    def turn(self, now: float) -> None:
+        """The tick's work: ``check``."""
+        self.check()
 
     def check(self) -> None:
         """Replace dead or hung workers, never blocking the loop.
@@ -85,7 +102,7 @@ class Workers:
         ``io_submit``), or when it has work queued but its loop has not turned for that
         long. Time a request spends queued in the ring behind reads is not held against
         it: writes wait there by design (reads first)."""
-        cfg = self._cfg()
+        cfg = self.st.cfg
         now_ns = time.monotonic_ns()
         tmo_ns = int(cfg.worker.io_timeout_s * 1e9)
         # right after this loop itself was stopped (SIGSTOP, swap, CPU starvation), ages say
@@ -134,7 +151,7 @@ class Workers:
 
     def restart(self, w: WorkerSlot) -> None:
         """Start the replacement once the old worker has exited (it may still be in the kernel)."""
-        if self._stopping() or w.old is None:
+        if self.st.stopping or w.old is None:
             return
         if w.old.is_alive():
             if time.monotonic() - w.lost_at > 5.0 and not w.warned:

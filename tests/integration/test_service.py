@@ -254,7 +254,7 @@ def test_max_clients_gets_the_open_files_it_needs(file_devices, home: Path, serv
     limit and serves all 300 at once, on both devices; with a hard limit below what 300 need it
     refuses to start, saying why (without, the 278th client failed with EMFILE)."""
     from kvstore.errors import KVStoreError
-    from kvstore.service.supervisor import FD_MARGIN
+    from kvstore.service.runtime import FD_MARGIN
     from kvstore.testing import ServiceProcess
 
     n = 300

@@ -1,0 +1,302 @@
+"""The service's request logic in one process: no supervisor loop, no worker processes.
+
+The state (``StoreState``) is built over anonymous memory from a real store on a file device;
+the test connects to the real ``Clients`` socket with a real hello, then plays both neighbours of
+``Requests``: the client (it fills descriptors and posts them to the connection's ring) and the
+device worker (it takes the I/O records from the worker's rings and writes completions). Each
+step is one ``turn``, so every assertion is about one state, without waits.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import structlog
+
+from kvstore.digests import key_id, salted_words
+from kvstore.ipc import connection as P
+from kvstore.ipc import lease as A
+from kvstore.ipc.iorings import IO_COMPLETION, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_OK
+from kvstore.service.changes import FORGOTTEN, RETIRED, STORED, Change
+from kvstore.service.clients import Clients
+from kvstore.service.membership import verified_membership
+from kvstore.service.requests import Requests
+from kvstore.service.runtime import Runtime
+from kvstore.service.state import StoreState
+from kvstore.service.workers import Workers
+from kvstore.shm.segment import Segment
+from kvstore.shm.slots import RETIRED as S_RETIRED
+from kvstore.shm.slots import VALID, SlotMap
+from kvstore.testing import make_store
+
+PAGE = 16 << 10
+
+
+class FakeProc:
+    """Stands for a live worker process (``Requests`` dispatches only to workers that have one)."""
+
+    pid = 0
+    exitcode = None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+class Service:
+    """The service's parts over one store, stepped by hand."""
+
+    def __init__(self, home: Path, devices: list[str], servers: list[str] | None = None) -> None:
+        self.cfg = cfg = make_store(home, "u", devices, PAGE, servers)
+        name = cfg.servers[0].name
+        m = verified_membership(cfg, name, 0, home, structlog.get_logger())
+        self.rt = Runtime(cfg.name, name, home, anonymous=True)
+        self.rt.rundir.mkdir(parents=True, exist_ok=True)
+        self.st = StoreState.build(cfg, name, 0, tuple(m.sbs), self.rt)
+        self.pool = Workers(self.st, self.rt, None, queued=lambda d: self.requests.queued(d),
+                            on_lost=lambda d, dead: self.requests.fail_device(d, dead),
+                            on_replaced=lambda d: self.clients.fail_direct_reads(d))
+        for w in self.pool.slots:
+            w.proc = FakeProc()
+        self.clients = Clients(self.st, self.rt, self.pool.slots)
+        self.st.alloc.reading = self.clients.reading
+        self.requests = Requests(self.st, self.pool.slots, self.clients)
+        self.clients.listen()
+        self.changes: list[Change] = []
+        self.st.changes.subscribe(self.changes.append)
+
+    def turn(self) -> int:
+        self.clients.turn(0.0)
+        return self.requests.turn(0.0)
+
+    def worker_takes(self, op: int) -> np.ndarray[Any, Any]:
+        """The I/O records the workers were handed (what a worker would read or write)."""
+        ring = [w.rings.reads if op == OP_READ else w.rings.writes for w in self.pool.slots]
+        return np.concatenate([r.get_batch(1024) for r in ring])
+
+    def worker_completes(self, recs: np.ndarray[Any, Any], status: int = ST_OK) -> None:
+        """Completions for ``recs`` as a worker writes them (device 0's ring: one device here)."""
+        done = np.zeros(len(recs), dtype=IO_COMPLETION)
+        done["tag"] = recs["tag"]
+        done["status"] = status
+        done["result"] = recs["length"]
+        self.pool.slots[0].rings.done.put_many(done)
+
+    def close(self) -> None:
+        self.clients.close()
+        self.clients.drop_all()
+        self.pool.close()
+        self.st.close(checkpoint=False)
+        self.rt.close()
+
+
+class Client:
+    """A client as the wire sees it: a real hello, then descriptors and ring records by hand."""
+
+    def __init__(self, svc: Service, tenant: str = "") -> None:
+        self.svc = svc
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(svc.rt.sock_path))
+        P.send_frame(self.sock, {"v": P.VERSION, "op": "hello", "tenant": tenant})
+        for _ in range(1000):  # the service reads the hello over its turns, never blocking
+            svc.turn()
+            if P.readable([self.sock]):
+                break
+        hello, fds = P.recv_frame_fds(self.sock)
+        assert hello["ok"], hello
+        self.hello = hello
+        self.seg = Segment.adopt(hello["segment"], fds[0])
+        import os
+
+        os.close(fds[1])  # the wake-up's read end: this client does not wait on it
+        self.nb = hello["max_batch"]
+        states, buffers, _ = P.ClientChannel.layout(self.nb, len(hello["areas"]), hello["page_size"])
+        self.arena = A.Arena(self.seg.buf, states, buffers, self.nb, hello["page_size"], first=hello["lease_start"])
+        self.chan = P.ClientChannel(self.seg.buf, self.nb, len(hello["areas"]))
+        self.seq = 1
+
+    def post(self, desc: int, op: int, keys: list[bytes], bufs: Sequence[int] = (), pages: Sequence[bytes] = ()) -> int:
+        """Fill descriptor ``desc`` and post it, as ``KVCacheClient._post`` does."""
+        d = self.chan.desc[desc]
+        assert d.state == P.D_FREE
+        for i, k in enumerate(keys):
+            d.keys[i] = np.frombuffer(key_id(k), dtype=np.uint8)
+        for i, b in enumerate(bufs):
+            if pages:
+                self.arena.payload(b, PAGE)[:] = pages[i]
+                d.lengths[i] = PAGE
+            d.bufs[i] = b
+            self.arena.set_state(b, A.SERVICE)
+        h = d.head
+        seq = self.seq
+        self.seq += 1
+        h["seq"], h["op"], h["count"], h["flags"] = seq, op, len(keys), P.FLAG_WAIT
+        d.set_cancel(0)
+        d.set_state(P.D_POSTED)
+        self.chan.requests.put_nowait((seq, desc, 0))
+        return seq
+
+    def answer(self, desc: int) -> tuple[int, int, list[int]] | None:
+        """(status, value, results) once the service answered ``desc``; None before. Frees it."""
+        d = self.chan.desc[desc]
+        if d.state != P.D_ANSWERED:
+            return None
+        h = d.head
+        out = int(h["status"][0]), int(h["value"][0]), d.results[:int(h["count"][0])].tolist()
+        d.set_state(P.D_FREE)
+        return out
+
+    def buffers(self, n: int, skip: int = 0) -> list[int]:
+        first = self.hello["lease_start"] + skip
+        return list(range(first, first + n))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.seg.close()
+
+
+@pytest.fixture
+def svc(home: Path, file_devices: Any) -> Iterator[Service]:
+    s = Service(home, file_devices.make(1, 8 << 20))
+    yield s
+    s.close()
+
+
+def digests(svc: Service, keys: list[bytes], tenant: str = "") -> np.ndarray[Any, Any]:
+    ids = np.frombuffer(b"".join(key_id(k) for k in keys), dtype=np.uint8).reshape(-1, 32)
+    return salted_words(ids, svc.cfg.tenant_salt(svc.cfg.tenant_for(tenant, 0, frozenset())))
+
+
+def put(svc: Service, c: Client, keys: list[bytes], desc: int = 0, skip: int = 0) -> list[int]:
+    """A put through every step: post, dispatch, the worker's completions, the answer."""
+    bufs = c.buffers(len(keys), skip)
+    c.post(desc, P.OP_PUT, keys, bufs, [bytes([i + 1]) * PAGE for i in range(len(keys))])
+    assert svc.turn() == 1  # taken, dispatched: nothing is answered before its pages are written
+    assert c.answer(desc) is None
+    recs = svc.worker_takes(OP_WRITE)
+    assert len(recs) == len(keys) and not len(svc.worker_takes(OP_READ))
+    svc.worker_completes(recs)
+    svc.turn()
+    got = c.answer(desc)
+    assert got is not None and got[0] == P.S_OK
+    assert [c.arena.state(b) for b in bufs] == [A.FREE] * len(bufs)  # the buffers came back
+    return got[2]
+
+
+def test_put_is_answered_only_after_its_pages_are_written_and_indexed(svc: Service) -> None:
+    c = Client(svc)
+    keys = [b"p0", b"p1", b"p2"]
+    assert put(svc, c, keys) == [P.R_STORED] * 3
+    gids = svc.st.index.lookup(digests(svc, keys), svc.st.local)
+    assert (gids >= 0).all() and (svc.st.slots["state"][gids] == VALID).all()
+    assert [ch.kind for ch in svc.changes] == [STORED] * 3
+    assert sorted(int(g) for ch in svc.changes for g in ch.gids) == sorted(gids.tolist())
+    # the same keys again: skipped without a write
+    c.post(1, P.OP_PUT, keys, c.buffers(3), [b"x" * PAGE] * 3)
+    svc.turn()
+    assert not len(svc.worker_takes(OP_WRITE))
+    assert c.answer(1) == (P.S_OK, 0, [P.R_SKIPPED] * 3)
+    c.close()
+
+
+def test_a_failed_write_is_dropped_and_never_indexed(svc: Service) -> None:
+    c = Client(svc)
+    c.post(0, P.OP_PUT, [b"k"], c.buffers(1), [b"z" * PAGE])
+    svc.turn()
+    svc.worker_completes(svc.worker_takes(OP_WRITE), status=ST_BAD_CHECKSUM)
+    svc.turn()
+    assert c.answer(0) == (P.S_OK, 0, [P.R_DROPPED])
+    assert (svc.st.index.lookup(digests(svc, [b"k"]), svc.st.local) < 0).all()
+    assert not svc.changes
+    c.close()
+
+
+def test_get_reads_what_the_index_names_and_a_bad_checksum_drops_the_location(svc: Service) -> None:
+    c = Client(svc)
+    put(svc, c, [b"a", b"b"])
+    svc.changes.clear()
+    c.post(1, P.OP_GET, [b"a", b"b", b"missing"], c.buffers(3))
+    svc.turn()
+    reads = svc.worker_takes(OP_READ)
+    assert len(reads) == 2  # the miss costs no I/O
+    gids = svc.st.index.lookup(digests(svc, [b"a", b"b"]), svc.st.local)
+    # what a worker validates against: the slot's generation and the key's salted digest
+    w = digests(svc, [b"a", b"b"])
+    assert sorted(zip(reads["d0"].tolist(), reads["gen"].tolist())) == sorted(
+        zip(w[:, 0].tolist(), svc.st.slots["gen"][gids].tolist()))
+    by_key = {int(r["d0"]): r for r in reads}
+    svc.worker_completes(np.array([by_key[int(w[0, 0])]]))                        # "a": valid
+    svc.worker_completes(np.array([by_key[int(w[1, 0])]]), status=ST_BAD_CHECKSUM)  # "b": the device lies
+    svc.turn()
+    status, _, res = c.answer(1)  # type: ignore[misc]
+    assert status == P.S_OK and res == [P.R_HIT, P.R_MISS, P.R_MISS]
+    assert svc.st.index.lookup(w[:1], svc.st.local)[0] == gids[0]
+    assert svc.st.index.lookup(w[1:], svc.st.local)[0] < 0        # never served again
+    assert svc.st.slots["state"][gids[1]] == S_RETIRED
+    assert [(ch.kind, ch.gids.tolist()) for ch in svc.changes] == [(RETIRED, [int(gids[1])])]
+    assert svc.st.stats.snapshot().service.validation_failures == 1
+    c.close()
+
+
+def test_a_cancelled_get_is_answered_cancelled_and_its_buffers_come_back(svc: Service) -> None:
+    c = Client(svc)
+    put(svc, c, [b"a"])
+    bufs = c.buffers(1)
+    c.post(1, P.OP_GET, [b"a"], bufs)
+    svc.turn()
+    reads = svc.worker_takes(OP_READ)
+    c.chan.desc[1].set_cancel(1)  # the client timed out while the read was on the device
+    svc.worker_completes(reads)
+    svc.turn()
+    status, _, _ = c.answer(1)  # type: ignore[misc]
+    assert status == P.S_CANCELLED
+    assert c.arena.state(bufs[0]) == A.FREE  # nobody reads it: free, not the client's
+    assert svc.st.alloc.pinned_slots == 0    # the read's pin is gone
+    c.close()
+
+
+def test_requests_naming_buffers_outside_the_lease_are_refused_before_any_io(svc: Service) -> None:
+    a, b = Client(svc), Client(svc)
+    theirs = b.buffers(1)
+    a.post(0, P.OP_GET, [b"x"], [])  # a get must name its buffers: count 1, no buffer set
+    a.chan.desc[0].bufs[0] = theirs[0]  # ... and this one names another connection's
+    svc.turn()
+    assert a.answer(0) == (P.S_BAD_REQUEST, 0, [0])
+    assert not len(svc.worker_takes(OP_READ))
+    a.close()
+    b.close()
+
+
+def test_a_lost_worker_fails_its_ios_and_quarantines_their_buffers(svc: Service) -> None:
+    c = Client(svc)
+    bufs = c.buffers(2)
+    c.post(0, P.OP_PUT, [b"q0", b"q1"], bufs, [b"q" * PAGE] * 2)
+    svc.turn()
+    assert len(svc.worker_takes(OP_WRITE)) == 2
+    held = svc.requests.fail_device(0, dead=False)  # hung: its kernel I/O may still land
+    assert sorted(b for _, b in held) == bufs
+    assert c.answer(0) == (P.S_OK, 0, [P.R_DROPPED] * 2)
+    assert [c.arena.state(b) for b in bufs] == [A.QUARANTINE] * 2  # not the client's until it is gone
+    assert not svc.requests.pending and not svc.requests.queued(0)
+    c.close()
+
+
+def test_forgetting_a_denied_area_announces_its_pages(home: Path, file_devices: Any) -> None:
+    from kvstore.testing import free_port
+
+    svc = Service(home, file_devices.make(1, 8 << 20), [f"a=127.0.0.1:{free_port(2)}", f"b=127.0.0.1:{free_port(2)}"])
+    try:
+        smap: SlotMap = svc.st.smap
+        g = smap.area_gids(0, 1).start  # a slot of b's area, as if merged from b
+        svc.st.slots[g]["state"] = VALID
+        svc.st.slots[g]["gen"] = 5
+        svc.st.index.index_slots(np.array([g]))
+        assert svc.st.forget_area(1) == 1
+        assert [(ch.kind, ch.gids.tolist()) for ch in svc.changes] == [(FORGOTTEN, [g])]
+        assert svc.st.slots["state"][g] != VALID
+    finally:
+        svc.close()
