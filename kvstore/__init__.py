@@ -1,6 +1,19 @@
 """kvstore: a shared KV-cache page store for LLM inference.
 
 The public API: the client, its result types, the config records and the errors.
+
+Layers (docs/ARCHITECTURE.md has the map): a module imports only from its own package or
+from a lower layer, never upward, so each layer can be read, built and tested with only
+what is below it. tests/test_layers.py checks every import against ``LAYERS``.
+
+    0  _native (the compiled core), errors, _units, logging, keys, _process
+    1  storage (on-device formats), shm (shared-memory tables), digests
+    2  ipc (the client/service/worker contract), config
+    3  crdt (replication), ioworkers (the device I/O process)
+    4  service (the cache service), client (the engines' library), admin
+    5  engines, tui, testing
+    6  quickstart
+    7  cli
 """
 
 from .client import KVCacheClient as KVCacheClient
@@ -32,3 +45,15 @@ __all__ = [
     "StoreNotFound", "Timeout", "ViewsInUse", "WorkerConfig", "WorkerLost", "WouldBlock",
 ]
 __version__ = "0.1.0"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("_native", "errors", "_units", "logging", "keys", "_process"),
+    ("storage", "shm", "digests"),
+    ("ipc", "config"),
+    ("crdt", "ioworkers"),
+    ("service", "client", "admin"),
+    ("engines", "tui", "testing"),
+    ("quickstart",),
+    ("cli",),
+)
+"""kvstore's packages and top-level modules by layer, lowest first (see the module doc)."""

@@ -2,7 +2,7 @@
 
 ``python -m`` puts the current directory first on ``sys.path``; started from inside
 a source checkout, a child would import the checkout's uncompiled tree (no
-``kvstore.ioworkers._aio``) instead of the installed package. Children therefore
+``kvstore._native._lib``) instead of the installed package. Children therefore
 start in ``/``, with ``PYTHONSAFEPATH`` set and relative ``PYTHONPATH`` entries made
 absolute, and are given absolute paths only.
 """

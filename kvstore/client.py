@@ -35,7 +35,7 @@ from .errors import (ClosedError, KVStoreError, NotAllowed, QuotaExceeded, Servi
                      ViewsInUse, WouldBlock)
 from .digests import check_keys, key_digests, pack_keys
 from .ipc import connection as P
-from .ioworkers.aio import FFI, LIB
+from ._native.lib import FFI, LIB
 from .ipc.iorings import ST_OK
 from .shm.control import ControlLayout
 from .shm.index import IndexReader
@@ -64,7 +64,7 @@ class PutResult:
 
 
 def _copy_summed(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` and return its xxh3_64, computed on the way (ioworkers/_copy.c:
+    """Copy ``src`` into ``dst`` and return its xxh3_64, computed on the way (_native/copy.c:
     computed afterwards, it reads the page from memory again)."""
     return int(LIB.kv_copy_sum(FFI.from_buffer("uint8_t[]", dst), FFI.from_buffer("uint8_t[]", src), len(src)))
 

@@ -12,8 +12,8 @@ read every digest in the slot table, so taking salted digests from it would let 
 name another's pages. A client salts only for its own lookups (in ``KVCacheClient``), with
 its own tenant's salt, which the service hands it at the hello.
 
-Whole batches go through compiled code, not a Python loop: ``_keypack.c`` checks the keys and
-packs them into one buffer, ``ioworkers/_keys.c`` hashes them.
+Whole batches go through compiled code, not a Python loop: ``_native/keypack.c`` checks the keys and
+packs them into one buffer, ``_native/keys.c`` hashes them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _keypack
-from .ioworkers.aio import FFI, LIB
+from ._native import _keypack
+from ._native.lib import FFI, LIB
 
 DIGEST_BYTES = 32
 

@@ -283,7 +283,7 @@ def test_a_checkout_in_the_current_directory_is_not_imported_by_children(env_hom
     assert d.returncode == 0, d.stderr
     r = subprocess.run([sys.executable, "-m", "kvstore.cli", "kvcache", "connect", "s1"], cwd=checkout, env=env,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "whose compiled I/O extension (kvstore.ioworkers._aio) is not built" in r.stderr
+    assert r.returncode == 1 and "whose compiled I/O extension (kvstore._native._lib) is not built" in r.stderr
 
 
 def test_daemon_reports_a_service_that_did_not_come_up_with_its_reason(env_home: Path) -> None:

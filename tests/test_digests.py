@@ -1,4 +1,4 @@
-"""The compiled key digests (kvstore/digests.py over _keys.c) are exactly hashlib's BLAKE2b."""
+"""The compiled key digests (kvstore/digests.py over _native/keys.c) are exactly hashlib's BLAKE2b."""
 
 from __future__ import annotations
 

@@ -14,7 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from ..shm.slots import SlotMap
+from ..shm.slots import SLOT_DTYPE, SLOT_WORDS, SlotMap
+
+# the word view below reads a slot entry as SLOT_DTYPE lays it out (kvstore.h struct kv_slot):
+# gen, d0..d3, then length in the low half of the last word and state in its next byte
+assert SLOT_WORDS == 6 and SLOT_DTYPE.fields is not None
+assert SLOT_DTYPE.fields["length"][1] == 8 * (SLOT_WORDS - 1) and SLOT_DTYPE.fields["state"][1] == 8 * (SLOT_WORDS - 1) + 4
 
 
 _LOW32 = np.uint64(0xFFFF_FFFF)
@@ -59,15 +64,15 @@ def apply(slots: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], recs: np.ndar
     the result is the same whatever the order, grouping or duplication of batches.
 
     Both layouts are handled as rows of u64 words, which is what makes this fast:
-    a slot entry is 6 words (gen, d0..d3, length|state|pad) and a register 7
-    (device|area|slot, then the same 6), so a whole register is gathered,
+    a slot entry is ``SLOT_WORDS`` (6) words (gen, d0..d3, length|state|pad) and a register one
+    more (device|area|slot, then the same 6), so a whole register is gathered,
     compared and scattered with one fancy-indexing operation each.
     """
     n = len(recs)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    R = np.ascontiguousarray(recs).view("<u8").reshape(n, 7)
-    S = slots.view("<u8").reshape(len(slots), 6)
+    R = np.ascontiguousarray(recs).view("<u8").reshape(n, SLOT_WORDS + 1)
+    S = slots.view("<u8").reshape(len(slots), SLOT_WORDS)
     k = order_columns(R[:, 1], (R[:, 6] >> np.uint64(32)) & np.uint64(0xFF), R[:, 2:6], R[:, 6] & _LOW32)
     # the greatest record per gid within the batch: sort by gid, then by the order, keep each group's last
     order = np.lexsort(tuple(k[:, c] for c in range(k.shape[1] - 1, -1, -1)) + (gids,))

@@ -32,7 +32,7 @@ statistics, hints and dropping locations that fail validation: if that ring is
 full (the supervisor stalled), the report is dropped, the client's read is not
 held up.
 
-The per-I/O work is compiled (``_worker.c``: ``kv_wk_turn`` does steps 1-4
+The per-I/O work is compiled (``kvstore/_native/worker.c``: ``kv_wk_turn`` does steps 1-4
 for every ring, ``kv_wk_reap`` the waiting in step 5): reading ring records,
 building iocbs, encoding and checking slot headers, checksums, answering
 clients and reporting. This module keeps what happens once per turn or less:
@@ -67,7 +67,7 @@ from ..shm.segment import Segment
 from ..shm.wake import WakeReader, WakeWriter
 from ..shm.stats import D, StatsBlock
 from ..storage.superblock import FORMAT_VERSION
-from .aio import FFI, LIB
+from .._native.lib import FFI, LIB
 from ..ipc.iorings import IO_COMPLETION, WorkerRings
 
 

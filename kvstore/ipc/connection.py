@@ -101,7 +101,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..ioworkers.aio import FFI, LIB
+from .._native.lib import FFI, LIB
 from ..shm.ring import Ring
 
 VERSION = 4  # 4: wake-ups are FIFOs, the client's sent as a second descriptor

@@ -16,20 +16,21 @@ from typing import Any
 
 import numpy as np
 
-from ..ioworkers.aio import FFI, LIB
+from .._native.lib import FFI, LIB, const
 from ..shm.ring import Ring
 
-OP_READ = 0
-OP_WRITE = 1
+# declared once, in kvstore/_native/kvstore.h
+OP_READ = const("KV_OP_READ")
+OP_WRITE = const("KV_OP_WRITE")
 
 # status of a completion
-ST_OK = 0
-ST_IO_ERROR = 1       # the device failed the request (result holds -errno) or it was short
-ST_BAD_HEADER = 2     # header missing, torn, or not the expected store/slot/generation/key
-ST_BAD_CHECKSUM = 3   # payload checksum mismatch
-ST_WORKER_LOST = 4    # synthesized by the supervisor when the worker died or hung
-ST_REFUSED = 5        # direct read: a record no honest client writes; nothing read, the connection dropped
-ST_STALE = 6          # direct read: the slot no longer holds the page the client found; nothing read
+ST_OK = const("KV_ST_OK")
+ST_IO_ERROR = const("KV_ST_IO_ERROR")          # the device failed the request (result holds -errno) or it was short
+ST_BAD_HEADER = const("KV_ST_BAD_HEADER")      # header missing, torn, or not the expected store/slot/generation/key
+ST_BAD_CHECKSUM = const("KV_ST_BAD_CHECKSUM")  # payload checksum mismatch
+ST_WORKER_LOST = const("KV_ST_WORKER_LOST")    # synthesized by the supervisor when the worker died or hung
+ST_REFUSED = const("KV_ST_REFUSED")  # direct read: a record no honest client writes; nothing read, the connection dropped
+ST_STALE = const("KV_ST_STALE")      # direct read: the slot no longer holds the page the client found; nothing read
 
 #: supervisor -> worker, 112 bytes
 IO_REQUEST = np.dtype([
@@ -49,11 +50,11 @@ IO_REQUEST = np.dtype([
 ])
 assert IO_REQUEST.itemsize == 112
 
-F_CSUM = 1  # the client computed the payload checksum while copying the page in: the worker uses it
+F_CSUM = const("KV_F_CSUM")  # the client computed the payload checksum while copying the page in: the worker uses it
 
 # kind of a completion
-K_SUPERVISOR = 0      # the supervisor's request ``tag``
-K_DIRECT = 1          # a report of a client's direct read (tag 0; already answered to the client)
+K_SUPERVISOR = const("KV_K_SUPERVISOR")  # the supervisor's request ``tag``
+K_DIRECT = const("KV_K_DIRECT")          # a report of a client's direct read (tag 0; already answered to the client)
 
 #: worker -> supervisor, 48 bytes
 IO_COMPLETION = np.dtype([
@@ -83,7 +84,7 @@ REQUEST_RING = 1024
 DONE_RING = 1024
 
 
-WPINS = 4096  # the worker's pins: one per I/O slot (at most 4096 slots, _worker.c KV_MAX_DEPTH)
+WPINS = const("KV_MAX_DEPTH")  # the worker's pins: one per I/O slot (at most KV_MAX_DEPTH slots)
 
 
 class WorkerRings:

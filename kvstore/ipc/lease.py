@@ -49,16 +49,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..ioworkers.aio import FFI, LIB
+from .._native.lib import FFI, LIB, const
 
-BLOCK = 4096
+BLOCK = const("KV_HEADER_BLOCK")
 
-FREE = 0
-CLIENT = 1
-SERVICE = 2
-QUARANTINE = 3
-DIRECT = 4
-READING = 5
+# declared once, in kvstore/_native/kvstore.h
+FREE = const("KV_A_FREE")
+CLIENT = const("KV_A_CLIENT")
+SERVICE = const("KV_A_SERVICE")
+QUARANTINE = const("KV_A_QUARANTINE")
+DIRECT = const("KV_A_DIRECT")
+READING = const("KV_A_READING")
 
 
 def tagged(state: int, generation: int) -> int:

@@ -1,12 +1,15 @@
 """The cache service: one supervisor process per store and server.
 
-``supervisor.py`` (start-up, the loop, shutdown), ``clients.py`` and ``connections.py``
-(the Unix socket, hellos, each connection's state), ``requests.py`` (serving get/put/pin
-requests and their I/O), ``workers.py`` (spawning and watching the I/O workers),
-``allocator.py`` (slot allocation, CLOCK eviction, retirement), ``rebuild.py`` and
-``checkpoint.py`` (the slot table at start-up), ``sync.py`` and ``agent.py`` (the link
-to the sync agent process of ``kvstore.crdt``), ``membership.py`` (the superblock
-watcher), ``events.py`` (vLLM-format KV events for routers), ``metrics.py``
-(Prometheus). Uses every layer below (storage, shm, ipc, ioworkers, crdt). The
-supervisor is the only mutator of the slot tables and the key index.
+State, changes and parts: ``state.py`` (``StoreState``: the slot table, key index,
+allocator, stats and checkpoints as this server sees them), ``runtime.py`` (the names,
+modes and memory of one run; the hello and the workers' parameters come from it),
+``changes.py`` (the one feed of slot changes, which the sync link and the KV-event
+publisher subscribe to). The parts each take the state explicitly and turn:
+``requests.py`` (client requests and device completions), ``clients.py`` and
+``connections.py`` (the socket, hellos, each connection), ``workers.py`` (the I/O worker
+processes), ``agent.py`` and ``sync.py`` (the sync agent's process and the link to it),
+``membership.py`` (allow/deny and config changes while serving), ``events.py`` (vLLM-format
+KV events), ``gauges.py`` and ``metrics.py`` (stats gauges, Prometheus). ``allocator.py``,
+``rebuild.py`` and ``checkpoint.py`` serve the state. ``supervisor.py`` starts, turns and
+stops the parts, and is the only writer of the slot table and key index (through them).
 """

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ioworkers.aio import LIB
+from .._native.lib import LIB
 
 from ..shm.slots import EMPTY, RETIRED, VALID, WRITING
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KVStoreError
-from ..ioworkers.aio import LIB
+from .._native.lib import LIB
 from ..ipc.iorings import ST_WORKER_LOST
 from ..ipc import lease as A
 from ..shm.segment import Segment

@@ -26,19 +26,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..ioworkers.aio import FFI, OP_READ, AioContext, buffer_address
+from .._native.aio import OP_READ, AioContext, buffer_address
+from .._native.lib import FFI
 from ..shm.slots import VALID, SlotMap
-from ..storage.header import FIELDS_SIZE, HEADER_BLOCK, MAGIC
+from ..storage.header import FIELDS_SIZE, HEADER_BLOCK, HEADER_DTYPE, MAGIC
 from ..storage.superblock import FORMAT_VERSION, Superblock
 
-#: the slot header as a numpy record (same layout as storage/header.py)
-HEADER_DTYPE = np.dtype([
-    ("magic", "S8"), ("version", "<u4"), ("flags", "<u4"), ("u0", "<u8"), ("u1", "<u8"),
-    ("device", "<u4"), ("area", "<u4"), ("slot", "<u8"), ("gen", "<u8"),
-    ("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"),
-    ("length", "<u8"), ("csum", "<u8"), ("wns", "<u8"), ("res", "<u8"), ("hcsum", "<u8"),
-])
-assert HEADER_DTYPE.itemsize == 128
 
 CONTIGUOUS_MAX_SLOT = 64 << 10
 RUN_BYTES = 4 << 20

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ioworkers.aio import FFI, LIB
+from .._native.lib import FFI, LIB
 
 BOARD_BYTES = 64 << 10
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ioworkers.aio import FFI, LIB
+from .._native.lib import FFI, LIB
 from .slots import VALID, entry_words
 
 ENTRY_DTYPE = np.dtype([("tag", "<u4"), ("gid", "<u4")])

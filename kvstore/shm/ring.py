@@ -35,7 +35,7 @@ from ..errors import WouldBlock
 class RingCorrupt(ValueError):
     """The producer's ``tail`` is impossible: behind the consumer's own head, or more than the
     capacity ahead of it (a producer that writes garbage into its own ring)."""
-from ..ioworkers.aio import FFI, LIB
+from .._native.lib import FFI, LIB
 
 HEAD_OFF = 0
 TAIL_OFF = 64

@@ -23,16 +23,21 @@ from typing import Any
 
 import numpy as np
 
-EMPTY = 0
-WRITING = 1
-VALID = 2
-RETIRED = 3
+from .._native.lib import const
+
+# declared once, in kvstore/_native/kvstore.h (struct kv_slot; tests/native compare the dtype)
+EMPTY = const("KV_SLOT_EMPTY")
+WRITING = const("KV_SLOT_WRITING")
+VALID = const("KV_SLOT_VALID")
+RETIRED = const("KV_SLOT_RETIRED")
 
 SLOT_DTYPE = np.dtype([
     ("gen", "<u8"), ("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"),
     ("length", "<u4"), ("state", "u1"), ("pad", "V3"),
 ])
 assert SLOT_DTYPE.itemsize == 48
+SLOT_WORDS = SLOT_DTYPE.itemsize // 8
+"""A slot entry as u64 words (gen, d0..d3, length|state|pad): how merges handle a table's rows."""
 
 
 def digest_words(digests: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

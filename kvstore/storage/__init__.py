@@ -1,6 +1,6 @@
 """On-device format: superblock, slot header, device open/format.
 
-Bottom layer: imports nothing from kvstore except ``errors`` and ``config``
-helpers. Every layout here is also written down byte for byte in docs/FORMAT.md,
+Layer 1: imports nothing from kvstore except ``errors`` and the compiled core
+(``kvstore._native``: the slot header's struct and constants, declared in ``kvstore.h``). Every layout here is also written down byte for byte in docs/FORMAT.md,
 and tests/storage/test_format_doc.py checks the two agree.
 """

@@ -30,16 +30,42 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
+from .._native.lib import const
 from .superblock import FORMAT_VERSION
 
 MAGIC = b"KVSTSLOT"
-HEADER_BLOCK = 4096
-FIELDS_FMT = "<8sII16sIIQQ32sQQQ8x"
+HEADER_BLOCK = const("KV_HEADER_BLOCK")
+
+#: The slot header's fields in order, declared once: (name in kvstore.h's ``struct
+#: kv_slot_header``, ``struct`` format, numpy fields of the start-up scan's view). ``FIELDS_FMT``
+#: and ``HEADER_DTYPE`` derive from it; tests/native/test_layout.py checks it against the C
+#: struct (what the I/O worker writes and validates) and against docs/FORMAT.md's table.
+HEADER_FIELDS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("magic", "8s", (("magic", "S8"),)),
+    ("version", "I", (("version", "<u4"),)),
+    ("flags", "I", (("flags", "<u4"),)),
+    ("store_uuid", "16s", (("u0", "<u8"), ("u1", "<u8"))),
+    ("device", "I", (("device", "<u4"),)),
+    ("area", "I", (("area", "<u4"),)),
+    ("slot", "Q", (("slot", "<u8"),)),
+    ("gen", "Q", (("gen", "<u8"),)),
+    ("d", "32s", (("d0", "<u8"), ("d1", "<u8"), ("d2", "<u8"), ("d3", "<u8"))),
+    ("length", "Q", (("length", "<u8"),)),
+    ("csum", "Q", (("csum", "<u8"),)),
+    ("written_ns", "Q", (("wns", "<u8"),)),
+    ("reserved", "8x", (("res", "<u8"),)),
+    ("hcsum", "Q", (("hcsum", "<u8"),)),
+)
+FIELDS_FMT = "<" + "".join(f for _n, f, _d in HEADER_FIELDS[:-1])  # what the header checksum covers
 FIELDS_SIZE = struct.calcsize(FIELDS_FMT)  # 120
 HEADER_FMT = FIELDS_FMT + "Q"
 HEADER_SIZE = struct.calcsize(HEADER_FMT)  # 128
+#: the header as a numpy record: how the start-up scan reads many at once (service/rebuild.py)
+HEADER_DTYPE = np.dtype([sub for _n, _f, subs in HEADER_FIELDS for sub in subs])
+assert FIELDS_SIZE == const("KV_FIELDS_SIZE") and HEADER_DTYPE.itemsize == HEADER_SIZE == 128
 
 
 @dataclass(frozen=True)

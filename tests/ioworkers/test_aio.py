@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kvstore.ioworkers.aio import OP_READ, OP_WRITE, AioContext, buffer_address, result_errno
+from kvstore._native.aio import OP_READ, OP_WRITE, AioContext, buffer_address, result_errno
 
 
 def test_direct_write_read_roundtrip(devices) -> None:  # type: ignore[no-untyped-def]

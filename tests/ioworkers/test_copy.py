@@ -1,4 +1,4 @@
-"""The client's page copy (ioworkers/_copy.c): the bytes land exactly, nothing beyond them is
+"""The client's page copy (_native/copy.c): the bytes land exactly, nothing beyond them is
 touched, and the checksum is xxh3_64 of the page, for aligned and unaligned sources and tails."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstore.digests import key_digests
-from kvstore.ioworkers.aio import LIB
+from kvstore._native.lib import LIB
 from kvstore.ipc.iorings import ST_REFUSED, WorkerRings
 from kvstore.ioworkers.worker import Worker, WorkerParams
 from kvstore.ipc import connection as P

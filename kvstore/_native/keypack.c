@@ -79,6 +79,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstore._keypack", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstore._native._keypack", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__keypack(void) { return PyModule_Create(&module); }

@@ -1,4 +1,4 @@
-/* The I/O worker's per-I/O path, compiled into kvstore.ioworkers._aio.
+/* The I/O worker's per-I/O path, a unit of kvstore._native._lib.
 
    Why C: in Python the worker spent about as much CPU per 1 MiB page on reading ring
    records, building iocbs, encoding and checking slot headers and answering as the
@@ -11,41 +11,11 @@
    the numpy dtypes of ipc/iorings.py and ipc/connection.py (tests compare the
    offsets), the slot header the one of storage/header.py and docs/FORMAT.md. */
 
-/* xxh3 from libxxhash, on x86_64 through its runtime dispatch, which picks AVX-512 or AVX2
-   where the CPU has them: 1 MiB in ~25 us hot / ~100 us cold here, against ~57 / ~160 us for
-   the SSE2 code a plain build (or an inlined copy of the header) gets. */
-#define XXH_STATIC_LINKING_ONLY  /* XXH3_state_t on the stack (kv_copy_sum) */
-#include <xxhash.h>
-#if defined(__x86_64__)
-#include <xxh_x86dispatch.h>
-#define KV_XXH3 XXH3_64bits_dispatch
-#define KV_XXH3_UPDATE XXH3_64bits_update_dispatch
-#else
-#define KV_XXH3 XXH3_64bits
-#define KV_XXH3_UPDATE XXH3_64bits_update
-#endif
-#include <stdlib.h>
-/* the structures: _worker.h, placed before this file by _aio_build.py */
+#include "internal.h"
 
-#define KV_HEADER_BLOCK 4096
-#define KV_FIELDS_SIZE 120
-#define KV_OP_READ 0
-#define KV_F_CSUM 1
-#define KV_ST_OK 0
-#define KV_ST_IO_ERROR 1
-#define KV_ST_BAD_HEADER 2
-#define KV_ST_BAD_CHECKSUM 3
-#define KV_ST_REFUSED 5     /* a direct-read record no honest client writes: nothing read, the client dropped */
-#define KV_ST_STALE 6       /* the slot no longer holds the page the client found: a miss, nothing read */
-#define KV_K_SUPERVISOR 0
-#define KV_K_DIRECT 1
-#define KV_A_CLIENT 1u
-#define KV_A_DIRECT 4u
-#define KV_A_READING 5u
-#define KV_NBAD 16
 #define KV_WRITE_BELL 4
 #define KV_WRITE_STARVE_NS 2000000LL  /* writes that waited this long behind reads are taken anyway */
-#define KV_MAX_DEPTH 4096  /* I/O slots at most (the config allows 512): a turn's batch lives on the stack */
+/* KV_MAX_DEPTH (kvstore.h): a turn's batch of that many slots lives on the stack */
 
 enum { KV_D_READS, KV_D_READ_BYTES, KV_D_READ_ERRORS, KV_D_WRITES, KV_D_WRITE_BYTES, KV_D_WRITE_ERRORS,
        KV_D_OLDEST, KV_D_LOOP, KV_D_READS_INFLIGHT, KV_D_WRITES_INFLIGHT, KV_D_READS_QUEUED,
@@ -91,8 +61,6 @@ static int kv_conn_get(struct kv_wconn *c, void *rec, size_t size) {
 }
 
 static inline uint32_t kv_tagged(uint32_t state, uint32_t gen) { return state | (gen & 0xFFFFFFu) << 8; }
-static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 
 int kv_wk_init(struct kv_worker *w) {
     w->depth = w->read_depth + w->max_writes;
@@ -131,8 +99,8 @@ static void kv_log_bad(struct kv_worker *w, const struct kv_pend *p, const uint8
     b->area = p->r.area; b->slot = p->r.slot; b->expected_gen = p->r.gen; b->expected_len = p->r.payload_len;
     b->decoded = (uint32_t)decoded;
     if (decoded) {
-        b->found_gen = load64(h + 48); b->found_len = load64(h + 88); b->found_slot = load64(h + 40);
-        b->key_matches = memcmp(h + 56, p->r.d, 32) == 0;
+        b->found_gen = load64(h + KV_H(gen)); b->found_len = load64(h + KV_H(length)); b->found_slot = load64(h + KV_H(slot));
+        b->key_matches = memcmp(h + KV_H(d), p->r.d, 32) == 0;
     }
 }
 
@@ -140,18 +108,18 @@ static void kv_log_bad(struct kv_worker *w, const struct kv_pend *p, const uint8
 static int kv_validate(struct kv_worker *w, const struct kv_pend *p) {
     const uint8_t *h = p->bufp;
     uint64_t n = p->r.payload_len;
-    if (memcmp(h, "KVSTSLOT", 8) != 0 || load64(h + KV_FIELDS_SIZE) != KV_XXH3(h, KV_FIELDS_SIZE)
-            || load32(h + 8) != (uint32_t)w->version) {
+    if (memcmp(h, "KVSTSLOT", 8) != 0 || load64(h + KV_H(hcsum)) != KV_XXH3(h, KV_FIELDS_SIZE)
+            || load32(h + KV_H(version)) != (uint32_t)w->version) {
         kv_log_bad(w, p, h, 0);
         return KV_ST_BAD_HEADER;
     }
-    if (memcmp(h + 16, w->uuid, 16) != 0 || load32(h + 32) != w->dev || load32(h + 36) != p->r.area
-            || load64(h + 40) != p->r.slot || load64(h + 48) != p->r.gen || memcmp(h + 56, p->r.d, 32) != 0
-            || load64(h + 88) != n) {
+    if (memcmp(h + KV_H(store_uuid), w->uuid, 16) != 0 || load32(h + KV_H(device)) != w->dev || load32(h + KV_H(area)) != p->r.area
+            || load64(h + KV_H(slot)) != p->r.slot || load64(h + KV_H(gen)) != p->r.gen || memcmp(h + KV_H(d), p->r.d, 32) != 0
+            || load64(h + KV_H(length)) != n) {
         kv_log_bad(w, p, h, 1);
         return KV_ST_BAD_HEADER;
     }
-    if (KV_XXH3(h + KV_HEADER_BLOCK, n) != load64(h + 96)) return KV_ST_BAD_CHECKSUM;
+    if (KV_XXH3(h + KV_HEADER_BLOCK, n) != load64(h + KV_H(csum))) return KV_ST_BAD_CHECKSUM;
     return KV_ST_OK;
 }
 
@@ -163,17 +131,17 @@ static void kv_prepare_write(struct kv_worker *w, const struct kv_io_request *r,
     uint64_t csum = (r->flags & KV_F_CSUM) ? r->csum : KV_XXH3(h + KV_HEADER_BLOCK, n);
     memset(h, 0, KV_HEADER_BLOCK);
     memcpy(h, "KVSTSLOT", 8);
-    store32(h + 8, (uint32_t)w->version);
-    memcpy(h + 16, w->uuid, 16);
-    store32(h + 32, w->dev);
-    store32(h + 36, r->area);
-    store64(h + 40, r->slot);
-    store64(h + 48, r->gen);
-    for (int i = 0; i < 4; i++) store64(h + 56 + 8 * i, r->d[i]);
-    store64(h + 88, n);
-    store64(h + 96, csum);
-    store64(h + 104, kv_now_ns(CLOCK_REALTIME));
-    store64(h + KV_FIELDS_SIZE, KV_XXH3(h, KV_FIELDS_SIZE));
+    store32(h + KV_H(version), (uint32_t)w->version);
+    memcpy(h + KV_H(store_uuid), w->uuid, 16);
+    store32(h + KV_H(device), w->dev);
+    store32(h + KV_H(area), r->area);
+    store64(h + KV_H(slot), r->slot);
+    store64(h + KV_H(gen), r->gen);
+    for (int i = 0; i < 4; i++) store64(h + KV_H(d) + 8 * i, r->d[i]);
+    store64(h + KV_H(length), n);
+    store64(h + KV_H(csum), csum);
+    store64(h + KV_H(written_ns), kv_now_ns(CLOCK_REALTIME));
+    store64(h + KV_H(hcsum), KV_XXH3(h, KV_FIELDS_SIZE));
 }
 
 static void kv_flush_deferred(struct kv_worker *w) {
@@ -453,7 +421,7 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
                 continue;
             }
             uint8_t salted[32];
-            b2b_256_from(c->keyed, 128, (const uint8_t *)d.d, 32, salted);
+            kv_b2b_256_from(c->keyed, 128, (const uint8_t *)d.d, 32, salted);
             if (memcmp(salted, reg.d, 32) != 0) {
                 kv_unslot(w, k);
                 kv_answer_now(w, ci, d.buf, d.seq, KV_ST_REFUSED, &d);
@@ -561,24 +529,4 @@ int kv_wk_turn(struct kv_worker *w) {
     row[w->didx[KV_D_READS_QUEUED]] = kv_ring_len(&w->reads);
     row[w->didx[KV_D_WRITES_QUEUED]] = kv_ring_len(&w->writes);
     return n;
-}
-
-/* Offsets of the record fields, for the test that compares them with the numpy dtypes. */
-void kv_wk_layout(int64_t *out) {
-    int i = 0;
-    out[i++] = sizeof(struct kv_io_request);
-    out[i++] = offsetof(struct kv_io_request, op); out[i++] = offsetof(struct kv_io_request, buf);
-    out[i++] = offsetof(struct kv_io_request, offset); out[i++] = offsetof(struct kv_io_request, length);
-    out[i++] = offsetof(struct kv_io_request, gen); out[i++] = offsetof(struct kv_io_request, d);
-    out[i++] = offsetof(struct kv_io_request, area); out[i++] = offsetof(struct kv_io_request, flags);
-    out[i++] = offsetof(struct kv_io_request, slot); out[i++] = offsetof(struct kv_io_request, payload_len);
-    out[i++] = offsetof(struct kv_io_request, csum); out[i++] = offsetof(struct kv_io_request, conn_gen);
-    out[i++] = sizeof(struct kv_direct_request);
-    out[i++] = offsetof(struct kv_direct_request, buf); out[i++] = offsetof(struct kv_direct_request, area);
-    out[i++] = offsetof(struct kv_direct_request, payload_len); out[i++] = offsetof(struct kv_direct_request, slot);
-    out[i++] = offsetof(struct kv_direct_request, gen); out[i++] = offsetof(struct kv_direct_request, d);
-    out[i++] = sizeof(struct kv_completion);
-    out[i++] = offsetof(struct kv_completion, result); out[i++] = offsetof(struct kv_completion, status);
-    out[i++] = offsetof(struct kv_completion, kind); out[i++] = offsetof(struct kv_completion, latency_ns);
-    out[i++] = offsetof(struct kv_completion, gen); out[i++] = offsetof(struct kv_completion, where);
 }

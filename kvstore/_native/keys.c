@@ -1,12 +1,11 @@
-/* Key digests and the lock-free key-index lookup, compiled into kvstore.ioworkers._aio.
+/* Key digests and the lock-free key-index lookup, a unit of kvstore._native._lib.
 
    Why C: a lookup of 1,000 keys hashed twice per key in a Python loop costs about a
    millisecond; here the whole batch is one call. BLAKE2b is written from RFC 7693
    (sequential mode, 64-bit words, 12 rounds); tests/test_digests.py checks it
    against hashlib's for random keys, key lengths and salts. */
 
-#include <stdint.h>
-#include <string.h>
+#include "internal.h"
 
 static const uint64_t B2B_IV[8] = {
     0x6A09E667F3BCC908ULL, 0xBB67AE8584CAA73BULL, 0x3C6EF372FE94F82BULL, 0xA54FF53A5F1D36F1ULL,
@@ -27,22 +26,6 @@ static const uint8_t B2B_SIGMA[12][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
-
-static inline uint64_t load64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
-#endif
-    return v;
-}
-
-static inline void store64(uint8_t *p, uint64_t v) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
-#endif
-    memcpy(p, &v, 8);
-}
 
 /* The mixing function G and one round over v[16] with message words m[16], written once for
    both a uint64_t and a vector of them (the shifts and adds work lane by lane). */
@@ -97,7 +80,7 @@ static void b2b_256_keyed_init(uint64_t h[8], const uint8_t *key, size_t keylen)
 
 /* Finish BLAKE2b-256 of msg (len > 0) from state h0, which has absorbed t0 bytes (0: unkeyed,
    128: keyed); h0 holds the parameter block for a 32-byte digest. */
-static void b2b_256_from(const uint64_t h0[8], uint64_t t0, const uint8_t *msg, size_t len, uint8_t out[32]) {
+void kv_b2b_256_from(const uint64_t *h0, uint64_t t0, const uint8_t *msg, size_t len, uint8_t *out) {
     uint64_t h[8];
     uint8_t block[128];
     uint64_t t = t0;
@@ -156,7 +139,7 @@ static inline __attribute__((always_inline)) void b2b_lanes_final(const uint64_t
 }
 
 /* Final-block BLAKE2b-256 of `count` (<= LANES) messages of 1..128 bytes, msg[j] of len[j]
-   bytes, each from state h0 after t0 bytes (see b2b_256_from); digest j to out + 32 * j. */
+   bytes, each from state h0 after t0 bytes (see kv_b2b_256_from); digest j to out + 32 * j. */
 KV_CLONES
 static void b2b_256_lanes(const uint64_t h0[8], uint64_t t0, const uint8_t *const *msg, const uint64_t *len,
                           int count, uint8_t *out) {
@@ -195,7 +178,7 @@ static void b2b_256_batch(const uint64_t h0[8], uint64_t t0, const uint8_t *base
     int k = 0;
     for (int64_t i = 0; i < n; i++) {
         if (lens[i] == 0 || lens[i] > 128) {
-            b2b_256_from(h0, t0, base + starts[i], lens[i], out + 32 * i);
+            kv_b2b_256_from(h0, t0, base + starts[i], lens[i], out + 32 * i);
             continue;
         }
         msg[k] = base + starts[i];
@@ -264,9 +247,7 @@ void kv_salt_ids(const uint8_t *ids, int64_t n, const uint8_t *salt, size_t salt
    longer holds their key, so the entry of a key that is present never changes under a reader; a
    rebuild rewrites the whole table, so it runs inside a seqlock: seq is odd while the table is
    being rewritten and grows by two per rebuild. */
-struct kv_slot { uint64_t gen, d[4]; uint32_t length; uint8_t state, pad[3]; };
-
-#define KV_SLOT_VALID 2
+/* struct kv_slot and its states: kvstore.h */
 /* An entry is one u64, read and written whole: tag (bits 0..31 of d0) in the low half, the
    global slot id in the high half; all ones = empty. Home: the high half of d0 scaled to the
    capacity (any capacity below 2^32, not only powers of two). */
@@ -373,9 +354,10 @@ static inline int kv_read_valid(const uint64_t *seq, uint64_t begun) {
    Returns the number of hits, or -1 when the table was being rebuilt during the call (seq odd or
    changed): nothing in out can be trusted then, the caller retries or asks the service. A hit is
    a hint, as every lookup is: a get validates the page itself. */
-int64_t kv_index_lookup(const uint64_t *seq, const uint64_t *e, uint64_t capacity,
-                        const struct kv_slot *slots, uint64_t nslots, const uint64_t *words, int64_t n,
-                        int64_t *out, uint8_t *ref) {
+int64_t kv_index_lookup(const uint64_t *seq, const void *entries, uint64_t capacity, const void *slotsv,
+                        uint64_t nslots, const uint64_t *words, int64_t n, int64_t *out, uint8_t *ref) {
+    const uint64_t *e = entries;
+    const struct kv_slot *slots = slotsv;
     uint64_t begun = kv_read_begin(seq);
     if (!begun) return -1;
     int64_t hits = kv_lookup_words(e, capacity, slots, nslots, words, n, out, ref);
@@ -393,9 +375,11 @@ int64_t kv_index_lookup(const uint64_t *seq, const uint64_t *e, uint64_t capacit
    next group is hashed hid none of the memory latency on the machine measured (docs/BENCHMARKS.md),
    so the chunk is there only to bound the hashing after a first miss. */
 int64_t kv_lookup_keys(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,
-                       size_t saltlen, const uint64_t *seq, const uint64_t *e, uint64_t capacity,
-                       const struct kv_slot *slots, uint64_t nslots, int stop_at_miss, uint8_t *ids_out,
+                       size_t saltlen, const uint64_t *seq, const void *entries, uint64_t capacity,
+                       const void *slotsv, uint64_t nslots, int stop_at_miss, uint8_t *ids_out,
                        uint64_t *words_out, int64_t *out, uint8_t *ref, int64_t *done) {
+    const uint64_t *e = entries;
+    const struct kv_slot *slots = slotsv;
     uint64_t plain[8], keyed[8], at = 0;
     int64_t hits = 0, b = 0;
     *done = 0;

@@ -10,6 +10,8 @@
    source: a chunk the caller changes between its hashing and its copy makes the page fail
    its checksum when read (a miss). */
 
+#include "internal.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
