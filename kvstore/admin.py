@@ -194,7 +194,7 @@ def create_store(home: Path, name: str, devices: Sequence[str], page_size: int, 
         ValueError: bad names, addresses, keys, sizes; DeviceMismatch: a device of another store
         (without ``force``).
     """
-    from .crdt.keys import create_keypair
+    from .crdt.serverkeys import create_keypair
     from .shm.index import MAX_SLOTS
     from .storage.device import device_size, format_device
     from .storage.superblock import plan_areas
@@ -265,7 +265,7 @@ def _allow(home: Path, cfg: StoreConfig, m: Membership, spec: ServerSpec, *, reu
             or no administrator key here.
         ValueError: several servers without a sync address.
     """
-    from .crdt.keys import create_keypair
+    from .crdt.serverkeys import create_keypair
 
     admin = _admin(cfg, home)
     existing = {s.name: i for i, s in enumerate(cfg.servers)}

@@ -142,7 +142,7 @@ def _pick_server(cfg: StoreConfig, name: str | None, home: Path | None = None) -
     file here holds. Either way this machine must hold that server's private key: no
     fallback (the only server, the host's name) lets a machine run as a server it cannot
     prove to be, since two writers of one area turn each other's pages into misses."""
-    from .crdt.keys import local_keys, serving_key
+    from .crdt.serverkeys import local_keys, serving_key
 
     if name:
         i = cfg.check_allowed(name)
@@ -267,7 +267,7 @@ def cmd_repair(a: argparse.Namespace) -> int:
 
 
 def cmd_keygen(a: argparse.Namespace) -> int:
-    from .crdt.keys import create_keypair, load_keypair
+    from .crdt.serverkeys import create_keypair, load_keypair
 
     home = mass_home()
     check_name(a.store, "store")
@@ -539,7 +539,7 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    from .crdt.keys import local_keys
+    from .crdt.serverkeys import local_keys
     from .storage.device import device_size, read_superblock
 
     from .config import load_local

@@ -47,7 +47,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 MIN_PAGE_SIZE = 4096
 MAX_PAGE_SIZE = 64 << 20
 MAX_SERVERS = 48
-#: Seconds between two reads of the superblocks by a running service (service/membership.py):
+#: Seconds between two reads of the superblocks by a running service (service/reloads.py):
 #: the latency of an allow/deny made on another machine.
 MEMBERSHIP_POLL_S = 1.0
 

@@ -9,8 +9,8 @@ runtime) explicitly and expose ``turn(now)`` and a way to close:
     sync.SyncLink         peers' registers in, own changes out        every loop turn
     clients.Clients       the socket, hellos, gone clients            every tick
     workers.Workers       one I/O worker process per device           every tick
-    agent.AgentProcess    the sync agent's process                    every tick
-    membership.Reloads    allow/deny and config edits                 every tick
+    agentproc.AgentProcess the sync agent's process                  every tick
+    reloads.Reloads       allow/deny and config edits                 every tick
     events.EventPublisher KV events (subscribed to the change feed)   every tick
     gauges.Gauges         stats gauges and the dashboard's board      every tick
     StoreState.turn       background slot-table checkpoints           every tick
@@ -48,16 +48,16 @@ import multiprocess
 import structlog
 
 from ..config import StoreConfig, mass_home
-from ..crdt.keys import serving_key
+from ..crdt.serverkeys import serving_key
 from ..crdt.log import SyncRings
 from ..errors import AlreadyRunning, NotAllowed
 from ..shm.board import BOARD_BYTES
 from ..shm.segment import remove_leftovers
 from ..shm.wake import WakeReader
-from .agent import AgentProcess
+from .agentproc import AgentProcess
 from .clients import Clients
 from .gauges import Gauges
-from .membership import Reloads, verified_membership
+from .reloads import Reloads, verified_membership
 from .requests import Requests
 from .runtime import Runtime, binding, raise_fd_limit
 from .state import StoreState

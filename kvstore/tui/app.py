@@ -19,7 +19,7 @@ from textual.widgets import Footer, Header, Static
 from .source import StatsSource, is_up, with_remote
 from .widgets.devices import DevicesTable
 from .widgets.servers import ServersTable
-from .widgets.sync import SyncTable
+from .widgets.replication import SyncTable
 from .widgets.trend import Trend
 from .widgets.warnings import WarningsPanel
 from .widgets.table import SnapshotTable

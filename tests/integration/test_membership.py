@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvstore.config import load_store
-from kvstore.crdt.keys import load_keypair
+from kvstore.crdt.serverkeys import load_keypair
 from kvstore.storage.device import read_superblock
 from kvstore.storage.membership import AdminKey
 from kvstore.testing import ServiceProcess, free_port_pair, make_store, wait_for

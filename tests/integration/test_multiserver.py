@@ -14,7 +14,7 @@ import zmq
 from kvstore import KVCacheClient
 from kvstore.config import load_store
 from kvstore.crdt.delta import encode
-from kvstore.crdt.keys import load_keypair
+from kvstore.crdt.serverkeys import load_keypair
 from kvstore.crdt.register import REGISTER_DTYPE
 from kvstore.quickstart import page_bytes
 from kvstore.shm.segment import Segment

@@ -24,7 +24,7 @@ from kvstore.ipc import lease as A
 from kvstore.ipc.iorings import IO_COMPLETION, OP_READ, OP_WRITE, ST_BAD_CHECKSUM, ST_OK
 from kvstore.service.changes import FORGOTTEN, RETIRED, STORED, Change
 from kvstore.service.clients import Clients
-from kvstore.service.membership import verified_membership
+from kvstore.service.reloads import verified_membership
 from kvstore.service.requests import Requests
 from kvstore.service.runtime import Runtime
 from kvstore.service.state import StoreState

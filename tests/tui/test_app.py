@@ -16,7 +16,7 @@ from kvstore.testing import make_store, wait_for
 from kvstore.tui.app import DashboardApp, HelpScreen
 from kvstore.tui.source import CannedSource, LiveSource
 from kvstore.tui.widgets.servers import ServersTable
-from kvstore.tui.widgets.sync import SyncTable
+from kvstore.tui.widgets.replication import SyncTable
 from kvstore.tui.widgets.warnings import WarningsPanel
 
 

@@ -55,7 +55,7 @@ async def test_no_table_cuts_a_column(size: tuple[int, int]) -> None:
 
 
 async def test_resizing_shows_the_columns_that_fit() -> None:
-    from kvstore.tui.widgets.sync import SyncTable
+    from kvstore.tui.widgets.replication import SyncTable
 
     app = demo_app()
     async with app.run_test(size=(160, 48)) as pilot:

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from ..crdt.agent import ADDRESS_IN_USE_HINT, EXIT_ADDRESS_IN_USE, AgentParams, Peer, agent_main
-from ..crdt.keys import keypair_for, load_keypair
+from ..crdt.serverkeys import keypair_for, load_keypair
 from ..errors import NotAllowed
 from ..shm.wake import doorbell_name
 from .runtime import Runtime

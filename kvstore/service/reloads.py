@@ -22,7 +22,7 @@ from typing import Any
 import zmq.utils.z85
 
 from ..config import MEMBERSHIP_POLL_S, StoreConfig, compose_membership, load_local, seen_record, store_path
-from ..crdt.keys import serving_key
+from ..crdt.serverkeys import serving_key
 from ..errors import KVStoreError, NotAllowed
 from ..storage.membership import Membership, read_membership
 from .state import StoreState
