@@ -4,7 +4,7 @@ The public API: the client, its result types, the config records and the errors.
 
 Layers (docs/ARCHITECTURE.md has the map): a module imports only from its own package or
 from a lower layer, never upward, so each layer can be read, built and tested with only
-what is below it. tests/test_layers.py checks every import against ``LAYERS``.
+what is below it. tests/test_layers.py checks every import against ``_LAYERS``.
 
     0  _native (the compiled core), errors, _units, logging, keys, _process
     1  storage (on-device formats), shm (shared-memory tables), digests
@@ -46,7 +46,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-LAYERS: tuple[tuple[str, ...], ...] = (
+_LAYERS: tuple[tuple[str, ...], ...] = (
     ("_native", "errors", "_units", "logging", "keys", "_process"),
     ("storage", "shm", "digests"),
     ("ipc", "config"),

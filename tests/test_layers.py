@@ -12,7 +12,7 @@ PKG = Path(kvstore.__file__).parent
 
 
 def layer_of() -> dict[str, int]:
-    return {name: i for i, names in enumerate(kvstore.LAYERS) for name in names}
+    return {name: i for i, names in enumerate(kvstore._LAYERS) for name in names}
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
