@@ -1,12 +1,18 @@
 """Helpers to run a real cache service in a child process: for tests, the quickstart and benchmarks.
 
 Follows ``trio.testing``: public, small, and the same code the project's own
-tests use.
+tests use. ``script_args`` and ``write_record`` are the start-up and the JSON record every
+script under ``scripts/`` shares (they run with an environment's Python, where kvstore is
+installed: ``.venv/bin/python scripts/bench/throughput.py``).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import sys
 import random
 import signal
 import socket
@@ -23,6 +29,34 @@ from .shm.segment import leftovers, name_prefix
 
 
 _handed_out: set[int] = set()
+
+
+def script_args(doc: str | None, *, raw: bool = False) -> argparse.ArgumentParser:
+    """A script's argument parser: its description is the first paragraph of ``doc`` (the whole
+    ``doc`` with ``raw``, kept as written), and ``--json PATH`` writes its record there."""
+    text = doc or ""
+    ap = argparse.ArgumentParser(description=text if raw else text.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter if raw
+                                 else argparse.HelpFormatter)
+    ap.add_argument("--json", type=Path, help="write the run's record (JSON) here")
+    return ap
+
+
+def write_record(path: str | Path | None, results: Any, args: argparse.Namespace | None = None) -> None:
+    """Write a script's run as one JSON shape: which script, when, on what machine, with which
+    arguments, and its ``results`` (nothing when ``path`` is None)."""
+    if path is None:
+        return
+    record = {
+        "script": Path(sys.argv[0]).name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} if args else {},
+        "results": results,
+    }
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
 def ephemeral_port_range() -> tuple[int, int]:

@@ -21,7 +21,6 @@ Memory stays bounded: inputs are generated, tried and dropped one at a time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -36,14 +35,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.crdt.delta import BadMessage, decode, encode  # noqa: E402
-from kvstore.crdt.register import REGISTER_DTYPE  # noqa: E402
-from kvstore.errors import CorruptPage  # noqa: E402
-from kvstore.shm.slots import VALID, SlotMap  # noqa: E402
-from kvstore.storage.header import SlotHeader  # noqa: E402
-from kvstore.storage.superblock import Superblock, plan_areas  # noqa: E402
+from kvstore.crdt.delta import BadMessage, decode, encode
+from kvstore.crdt.register import REGISTER_DTYPE
+from kvstore.errors import CorruptPage
+from kvstore.shm.slots import VALID, SlotMap
+from kvstore.storage.header import SlotHeader
+from kvstore.storage.superblock import Superblock, plan_areas
+from kvstore.testing import script_args, write_record
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:
@@ -213,10 +212,9 @@ TARGETS = {"ipc": fuzz_ipc, "peer": fuzz_peer, "superblock": fuzz_superblock, "h
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--target", action="append", choices=sorted(TARGETS))
     ap.add_argument("--seconds", type=float, default=60.0, help="per target")
-    ap.add_argument("--json")
     a = ap.parse_args()
     out = []
     for t in a.target or list(TARGETS):
@@ -224,8 +222,7 @@ def main() -> int:
         r["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out.append(r)
         print(json.dumps(r))
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2))
+    write_record(a.json, out, a)
     return 0
 
 

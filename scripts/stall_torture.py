@@ -14,7 +14,6 @@ Runs on 127.0.0.1-free Unix sockets in a temporary MASS_HOME that is removed aft
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -26,10 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.config import ServiceConfig  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore.config import ServiceConfig
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 CLIENT = r"""
 import json, random, sys, time
@@ -99,14 +97,13 @@ SUMS = ("calls", "timeouts", "errors", "puts", "hits", "misses", "wrong", "phant
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--seconds", type=float, default=40.0, help="how long clients run while the service stalls")
     ap.add_argument("--clients", type=int, default=2, help="client processes")
     ap.add_argument("--keys", type=int, default=300, help="distinct keys each client puts")
     ap.add_argument("--page-size", type=int, default=16384)
     ap.add_argument("--stall-min", type=float, default=0.05, help="shortest stall, seconds")
     ap.add_argument("--stall-max", type=float, default=0.6, help="longest stall, seconds")
-    ap.add_argument("--json", help="write the report here")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-stall-"))
     svc: ServiceProcess | None = None
@@ -163,8 +160,7 @@ def main() -> int:
           f"misses {report.get('misses', 0)}, wrong {report.get('wrong', 0)}, phantom {report.get('phantom', 0)}")
     print(f"  final sweep: hits {report.get('sweep_hits', 0)}, wrong {report.get('sweep_wrong', 0)}, "
           f"phantom {report.get('sweep_phantom', 0)}; buffers leaked {report.get('leaked', 0)}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=2))
+    write_record(a.json, report, a)
     bad = (report.get("wrong", 1) or report.get("phantom", 1) or report.get("sweep_wrong", 1)
            or report.get("sweep_phantom", 1) or report.get("leaked", 1) or report.get("client_failures", 1)
            or report.get("leftovers", 0) or report.get("service_exit", 1) not in (0,))

@@ -12,7 +12,6 @@ MASS_HOME that is removed afterwards.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -24,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.config import ServiceConfig, SyncConfig  # noqa: E402
-from kvstore.testing import ServiceProcess, free_port_pair, make_store  # noqa: E402
+from kvstore.config import ServiceConfig, SyncConfig
+from kvstore.testing import ServiceProcess, free_port_pair, make_store, script_args, write_record
 
 CLIENT = r"""
 import json, random, sys, time
@@ -75,14 +73,13 @@ print(json.dumps(out), flush=True)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--slots-per-area", type=int, default=48, help="slots of each server on each of 2 devices")
     ap.add_argument("--keys", type=int, default=1000, help="distinct keys each server writes (working set)")
     ap.add_argument("--page-size", type=int, default=16384)
     ap.add_argument("--faults", action="store_true", help="SIGKILL a random I/O worker every few seconds")
-    ap.add_argument("--json", help="write the report here")
     a = ap.parse_args()
     names = [f"s{i}" for i in range(a.servers)]
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-torture-"))
@@ -149,8 +146,7 @@ def main() -> int:
     print(f"  pages verified {report.get('verified', 0)}, misses {report.get('misses', 0)}, "
           f"wrong pages {report.get('wrong', 0)}; failed calls retried {report.get('errors', 0)}; "
           f"validation failures caught {report.get('validation_failures', 0)}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=2))
+    write_record(a.json, report, a)
     bad = report.get("wrong", 1) or report.get("client_failures", 1) or report.get("leftovers", 0)
     return 1 if bad else 0
 

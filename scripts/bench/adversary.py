@@ -16,7 +16,6 @@ latency. A flood round holds 300 silent connections and times 20 healthy connect
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import grp
 import json
@@ -24,7 +23,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from kvstore import KVCacheClient  # noqa: E402
-from kvstore.config import run_dir, save_store  # noqa: E402
-from kvstore.quickstart import page_bytes  # noqa: E402
-from kvstore.shm.segment import Segment, name_prefix  # noqa: E402
-from kvstore.shm.stats import StatsBlock  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore import KVCacheClient
+from kvstore.config import run_dir, save_store
+from kvstore.quickstart import page_bytes
+from kvstore.shm.segment import Segment, name_prefix
+from kvstore.shm.stats import StatsBlock
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 PS = 16 << 10
 ADVERSARY = ROOT / "tests" / "integration" / "adversary.py"
@@ -88,9 +85,8 @@ def healthy_reads(home: Path, keys: list[bytes], stop: threading.Event, out: dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--seconds", type=float, default=3.0, help="each round's length")
-    ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     gid = grp.getgrnam("nogroup").gr_gid
     tmp = Path(tempfile.mkdtemp(prefix="kvs-adv-"))
@@ -163,8 +159,7 @@ def main() -> None:
             if d.exists():
                 os.chmod(d, m)
         shutil.rmtree(tmp, ignore_errors=True)
-    if a.json:
-        a.json.write_text(json.dumps({"rounds": rounds, "service": totals, "seconds": a.seconds}, indent=2) + "\n")
+    write_record(a.json, {"rounds": rounds, "service": totals, "seconds": a.seconds}, a)
 
 
 if __name__ == "__main__":

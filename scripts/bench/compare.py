@@ -37,7 +37,6 @@ system's server processes plus its largest client.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -51,11 +50,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from kvstore._units import parse_size  # noqa: E402
-from kvstore.config import ServiceConfig  # noqa: E402
-from kvstore.testing import ServiceProcess, free_port, make_store  # noqa: E402
+from kvstore._units import parse_size
+from kvstore.config import ServiceConfig
+from kvstore.testing import ServiceProcess, free_port, make_store, script_args, write_record
 
 WORKER = str(REPO / "scripts" / "bench" / "peers" / "worker.py")
 
@@ -142,7 +140,7 @@ def fio(dev: str, rw: str, bs: int, qd: int, size: int, jobs: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--page-size", action="append", help="default: 256KiB and 4MiB")
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
@@ -150,7 +148,6 @@ def main() -> int:
                     default=["fio", "kvstore", "redis", "file-buffered", "file-direct", "mooncake"])
     ap.add_argument("--dir", default="/var/tmp", help="file system of the device file and the page files")
     ap.add_argument("--peers-venv", default="/var/tmp/kvstore-bench-peers")
-    ap.add_argument("--json")
     a = ap.parse_args()
     sizes = [parse_size(x) for x in (a.page_size or ["256KiB", "4MiB"])]
     total = parse_size(a.size)
@@ -281,10 +278,8 @@ def main() -> int:
               f"{f('missing', '{:d}'):>9}")
     for s, why in unavailable.items():
         print(f"{s}: not measured: {why}")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"machine": {"cpus": os.cpu_count()}, "size": total, "rows": rows,
-                                            "unavailable": unavailable}, indent=2))
+    write_record(a.json, {"size": total, "rows": rows,
+                                            "unavailable": unavailable}, a)
     bad = sum(r.get("wrong", 0) for r in rows)
     return 1 if bad else 0
 

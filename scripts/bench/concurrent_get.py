@@ -19,7 +19,6 @@ worker (direct reads); the worker's read queue depth bounds what is in flight in
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -33,15 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvstore import KVCacheClient, ServiceConfig  # noqa: E402
-from kvstore._units import parse_size  # noqa: E402
-from kvstore.config import WorkerConfig  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore import KVCacheClient, ServiceConfig
+from kvstore._units import parse_size
+from kvstore.config import WorkerConfig
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import fio  # noqa: E402
+from throughput import fio
 
 
 def page_of(i: int, ps: int) -> np.ndarray:
@@ -72,14 +69,13 @@ def client(home: str, keys: list[bytes], batch: int, seed: int, go: object, out:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--page-size", default="1MiB")
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--batch", type=int, help="keys per get (default: read_queue_depth / clients)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", help="a device or file to use (destroyed); default a loop device over /dev/shm")
-    ap.add_argument("--json")
     a = ap.parse_args()
     ps = parse_size(a.page_size)
     n = parse_size(a.size) // ps
@@ -141,9 +137,7 @@ def main() -> int:
         for cmd in cleanup:
             subprocess.run(cmd, check=False)
         subprocess.run(["rm", "-rf", str(work)], check=False)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=2))
+    write_record(a.json, res, a)
     return 0
 
 

@@ -14,7 +14,6 @@ healthy client's ping up by 4-6 s.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import socket
@@ -24,14 +23,13 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvstore import KVCacheClient  # noqa: E402
-from kvstore.config import ServiceConfig  # noqa: E402
-from kvstore.ipc import connection as P  # noqa: E402
-from kvstore.shm.segment import Segment  # noqa: E402
-from kvstore.shm.stats import StatsBlock  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore import KVCacheClient
+from kvstore.config import ServiceConfig
+from kvstore.ipc import connection as P
+from kvstore.shm.segment import Segment
+from kvstore.shm.stats import StatsBlock
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -48,11 +46,10 @@ def pings(c: KVCacheClient, n: int) -> list[float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--tricklers", type=int, default=8)
     ap.add_argument("--interval", type=float, default=0.3, help="seconds between a trickler's bytes")
-    ap.add_argument("--json")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-hs-"))
     stop = threading.Event()
@@ -112,8 +109,7 @@ def main() -> int:
            "beside_max_us": round(max(beside) * 1e6, 1), "handshakes_dropped": dropped}
     rep["p99_ratio"] = round(rep["beside_p99_us"] / rep["alone_p99_us"], 2)
     print(json.dumps(rep))
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep, indent=2))
+    write_record(a.json, rep, a)
     return 0
 
 

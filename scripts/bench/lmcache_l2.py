@@ -13,20 +13,17 @@ page cache (its loads come from memory), kvstore with O_DIRECT from the device.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 LMCACHE = ROOT / ".venv-lmcache" / "bin" / "lmcache"
 
@@ -49,10 +46,9 @@ def bench(spec: dict[str, object], out: Path, home: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_args(__doc__, raw=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the device file and fs directory go")
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if not LMCACHE.exists():
         raise SystemExit(f"{LMCACHE} missing: run scripts/setup")
@@ -85,8 +81,7 @@ def main() -> None:
         print(f"{k:8s} store {med[k]['store_mbps']:7.0f} MB/s  load {med[k]['load_mbps']:7.0f} MB/s  (medians of "
               f"{a.rounds})")
     print(f"kvstore / fs: store {res['store_ratio']:.2f}x, load {res['load_ratio']:.2f}x ({res['note']})")
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=2) + "\n")
+    write_record(a.json, res, a)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ index holds all 20 pages (what a returning server misses when it cannot catch up
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,11 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvstore.shm.segment import Segment  # noqa: E402
-from kvstore.shm.stats import StatsBlock  # noqa: E402
-from kvstore.testing import ServiceProcess, free_port_pair, make_store, wait_for  # noqa: E402
+from kvstore.shm.segment import Segment
+from kvstore.shm.stats import StatsBlock
+from kvstore.testing import ServiceProcess, free_port_pair, make_store, script_args, wait_for, write_record
 
 
 def ctl(home: Path, *args: str) -> str:
@@ -53,10 +50,9 @@ def generation(svc: ServiceProcess) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_args(__doc__, raw=True)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--catch-up", type=int, default=5, help="catch-up rounds after a change (default 5)")
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-member-"))
     admin, host_b = tmp / "admin", tmp / "host-b"
@@ -104,8 +100,7 @@ def main() -> None:
     if catch:
         print(f"a server returning after a change reads the 20 pages saved meanwhile: min {min(catch):.2f} s, "
               f"median {statistics.median(catch):.2f} s, max {max(catch):.2f} s over {len(catch)} rounds")
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=2) + "\n")
+    write_record(a.json, res, a)
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)

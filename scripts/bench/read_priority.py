@@ -14,7 +14,6 @@ over /dev/shm, root), ``disk-file`` (a file under /var/tmp), or a device path.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -24,11 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvstore._units import parse_size  # noqa: E402
-from kvstore.config import ServiceConfig  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore._units import parse_size
+from kvstore.config import ServiceConfig
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 READER = r"""
 import json, sys, time, random, numpy as np
@@ -74,12 +72,11 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--target", default="disk-file")
     ap.add_argument("--page-size", default="1MiB")
     ap.add_argument("--read-set", type=int, default=256)
     ap.add_argument("--samples", type=int, default=400)
-    ap.add_argument("--json")
     a = ap.parse_args()
     ps = parse_size(a.page_size)
     slots = 4096
@@ -136,9 +133,7 @@ def main() -> int:
               f"{res['idle']['p99_us']:.0f} us; under saturating writes p50 {res['writes_saturating']['p50_us']:.0f} us "
               f"p99 {res['writes_saturating']['p99_us']:.0f} us; p99 ratio {res['p99_ratio']:.2f} (target <= 3); "
               f"wrong pages {idle['wrong'] + busy['wrong']}")
-        if a.json:
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps(res, indent=2))
+        write_record(a.json, res, a)
     finally:
         for cmd in cleanup:
             subprocess.run(cmd, shell=True, check=False)

@@ -26,8 +26,6 @@ byte, 63 in all; rebuild O(slots) (one 4 KiB read per slot).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import shutil
@@ -39,17 +37,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvstore import KVCacheClient  # noqa: E402
-from kvstore.digests import key_id  # noqa: E402
-from kvstore.config import ServiceConfig, load_store  # noqa: E402
-from kvstore.service.checkpoint import checkpoint_path, layout_fingerprint, write_checkpoint  # noqa: E402
-from kvstore.shm.control import ControlLayout  # noqa: E402
-from kvstore.shm.slots import SLOT_DTYPE, VALID  # noqa: E402
-from kvstore.storage.device import read_superblock  # noqa: E402
-from kvstore.storage.header import SlotHeader  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore import KVCacheClient
+from kvstore.digests import key_id
+from kvstore.config import ServiceConfig, load_store
+from kvstore.service.checkpoint import checkpoint_path, layout_fingerprint, write_checkpoint
+from kvstore.shm.control import ControlLayout
+from kvstore.shm.slots import SLOT_DTYPE, VALID
+from kvstore.storage.device import read_superblock
+from kvstore.storage.header import SlotHeader
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 PS = 4096
 
@@ -172,11 +169,10 @@ def run(slots: int, fill: int, base: Path) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--slots", type=int, nargs="+", default=[10**4, 10**5, 10**6, 10**7])
     ap.add_argument("--fill", type=int, default=10**6, help="slots given a valid header (the rest are holes)")
     ap.add_argument("--dir", default="/dev/shm")
-    ap.add_argument("--json")
     a = ap.parse_args()
     out = []
     for s in a.slots:
@@ -189,9 +185,7 @@ def main() -> int:
               f"RSS supervisor {r['rss']['supervisor_mib']:.0f} MiB, worker {r['rss']['workers_mib'][0]:.0f} MiB; "
               f"restart with every slot valid (checkpoint): up in {r['restart_full_checkpoint']['service_up_seconds']:.2f} s "
               f"(checkpoint read {r['restart_full_checkpoint']['load_seconds']:.2f} s)")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=2))
+    write_record(a.json, out, a)
     return 0
 
 

@@ -22,33 +22,29 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import zmq  # noqa: E402
+import zmq
 
-from kvstore.config import SyncConfig  # noqa: E402
-from kvstore.crdt.agent import AgentParams, Peer, agent_main  # noqa: E402
-from kvstore.crdt.delta import decode, encode  # noqa: E402
-from kvstore.crdt.log import K_DELTA, DeltaLog, SyncRings, to_registers, to_sync  # noqa: E402
-from kvstore.crdt.merge import apply, gids_of  # noqa: E402
-from kvstore.crdt.register import REGISTER_DTYPE  # noqa: E402
-from kvstore.shm.index import ENTRY_DTYPE, KeyIndex, index_capacity  # noqa: E402
-from kvstore.shm.segment import Segment  # noqa: E402
-from kvstore.shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap  # noqa: E402
-from kvstore.shm.stats import StatsBlock, stats_nbytes  # noqa: E402
-from kvstore.shm.wake import WakeReader, unlink_wake  # noqa: E402
-from kvstore.testing import free_port_pair  # noqa: E402
+from kvstore.config import SyncConfig
+from kvstore.crdt.agent import AgentParams, Peer, agent_main
+from kvstore.crdt.delta import decode, encode
+from kvstore.crdt.log import K_DELTA, DeltaLog, SyncRings, to_sync
+from kvstore.crdt.merge import apply, gids_of
+from kvstore.crdt.register import REGISTER_DTYPE
+from kvstore.shm.index import ENTRY_DTYPE, KeyIndex, index_capacity
+from kvstore.shm.segment import Segment
+from kvstore.shm.slots import RETIRED, SLOT_DTYPE, VALID, SlotMap
+from kvstore.shm.stats import StatsBlock, stats_nbytes
+from kvstore.shm.wake import WakeReader, unlink_wake
+from kvstore.testing import free_port_pair, script_args, write_record
 
 PAGE = 1 << 20
 
@@ -228,13 +224,12 @@ def bench_visibility(servers: int, rate: float, seconds: float) -> dict[str, Any
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--slots", type=int, default=1_000_000, help="slot table size for merge and catch-up")
     ap.add_argument("--catchup", type=int, default=1_000_000, help="updates a peer missed")
     ap.add_argument("--servers", type=int, default=4)
     ap.add_argument("--rate", type=float, default=20_000, help="total updates/s in the visibility run")
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--json", help="write results here")
     a = ap.parse_args()
     res: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}}
     res["merge"] = bench_merge(a.slots)
@@ -252,9 +247,7 @@ def main() -> int:
     print(f"visibility: {a.servers} agents, {a.rate:,.0f} updates/s total for {a.seconds:.0f} s: "
           f"{v['deliveries']:,}/{v['deliveries_expected']:,} deliveries, p50 {v['p50_ms']:.2f} ms, "
           f"p99 {v['p99_ms']:.2f} ms")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=2))
+    write_record(a.json, res, a)
     return 0
 
 

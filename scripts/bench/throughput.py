@@ -30,7 +30,6 @@ Needs fio on PATH (scripts/setup installs it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -44,14 +43,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvstore import KVCacheClient, ServiceConfig  # noqa: E402
-from kvstore._units import parse_size  # noqa: E402
-from kvstore.config import WorkerConfig  # noqa: E402
-from kvstore.shm.segment import Segment  # noqa: E402
-from kvstore.shm.stats import StatsBlock  # noqa: E402
-from kvstore.testing import ServiceProcess, make_store  # noqa: E402
+from kvstore import KVCacheClient, ServiceConfig
+from kvstore._units import parse_size
+from kvstore.config import WorkerConfig
+from kvstore.shm.segment import Segment
+from kvstore.shm.stats import StatsBlock
+from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 
 def fio(dev: str, rw: str, bs: int, qd: int, size: int, offset: int, runtime: float | None = None,
@@ -196,13 +194,12 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--target", action="append", help="shm-loop, disk-file or a device PATH (repeatable)")
     ap.add_argument("--page-size", default="1MiB")
     ap.add_argument("--size", default="1GiB", help="payload bytes written and read per target")
     ap.add_argument("--latency-samples", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported")
-    ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     if shutil.which("fio") is None:
         print("fio is not installed (scripts/setup installs it)", file=sys.stderr)
@@ -228,9 +225,7 @@ def main() -> int:
               f"   (target p50 <= {r['get_p50_budget_us']:.1f} us)")
         print(f"  inside: worker read p50 <= {r['worker_read_p50_us_bucket']:.0f} us, supervisor get p50 <= "
               f"{r['service_get_p50_us_bucket']:.0f} us (log2 buckets, all gets)")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"machine": {"cpus": os.cpu_count()}, "results": results}, indent=2))
+    write_record(a.json, results, a)
     return 0
 
 

@@ -20,8 +20,6 @@ file-backed devices in a temporary MASS_HOME and are removed afterwards.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,14 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-from kvstore import KVCacheClient  # noqa: E402
-from kvstore.engines.transformers import KVStoreCache, prefill  # noqa: E402
-from kvstore.testing import ServiceProcess, free_port_pair, make_store  # noqa: E402
+from kvstore import KVCacheClient
+from kvstore.engines.transformers import KVStoreCache, prefill
+from kvstore.testing import ServiceProcess, free_port_pair, make_store, script_args, write_record
 
 PAGE_TOKENS = 64
 QUESTION = 32
@@ -61,10 +58,9 @@ def first_token(model: Any, ids: Any, kv: KVStoreCache | None) -> tuple[float, i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--shared", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     model = model_for_bench()
@@ -126,9 +122,7 @@ def main() -> int:
         for s in svcs:
             s.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(results, indent=2))
+    write_record(a.json, results, a)
     return 0
 
 

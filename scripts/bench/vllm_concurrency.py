@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kvstore.testing import script_args, write_record
+
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -129,14 +130,13 @@ async def child_serve(a: argparse.Namespace, plan: dict[str, Any]) -> dict[str, 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--loaders", type=int, default=4)
     ap.add_argument("--length", type=int, default=6144)
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--gap", type=float, default=0.3, help="seconds between loaders")
     ap.add_argument("--page-tokens", type=int, default=128)
-    ap.add_argument("--json")
     ap.add_argument("--child", choices=["save", "serve"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
@@ -212,8 +212,7 @@ def main() -> int:
         print(f"{name:>10} {lt:>12} {p['itl_p50_ms']:>7.1f}ms {p['itl_p99_ms']:>7.1f}ms {p['itl_max_ms']:>7.1f}ms")
     print(f"decoder tokens equal in every phase: {same}; first differing position per decoder: {first_diff}; "
           f"top-2 logprob gap there (alone): {flip_margin}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep, indent=2))
+    write_record(a.json, rep, a)
     return 0
 
 

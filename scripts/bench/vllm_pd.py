@@ -18,7 +18,6 @@ writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -33,8 +32,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvstore.testing import script_args, write_record
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], float]:
@@ -72,7 +72,7 @@ def up(url: str, proc: subprocess.Popen[bytes], log: Path, limit: float = 600) -
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3040])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
@@ -81,7 +81,6 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-tokens", type=int, default=256)
-    ap.add_argument("--json")
     a = ap.parse_args()
 
     from kvstore.testing import ServiceProcess, free_port, free_port_pair, make_store, make_tiny_llama
@@ -169,8 +168,7 @@ def main() -> int:
     rep_ = {"model": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
                       "head_dim": a.head_dim}, "page_tokens": a.page_tokens, "page_bytes": page, "repeat": a.repeat,
             "rows": table}
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep_, indent=2))
+    write_record(a.json, rep_, a)
     return 0
 
 

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kvstore.testing import script_args, write_record
+
 
 STALLS: dict[str, float | None] = {}
 QUESTION = 32  # tokens after the shared prefix (never stored: the last partial page is computed)
@@ -89,7 +90,7 @@ def run_child(home: Path, model: Path, server: str, plan: list[dict[str, Any]], 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_args(__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6144, 8192])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
@@ -101,7 +102,6 @@ def main() -> int:
     ap.add_argument("--page-tokens", type=int, default=128)
     ap.add_argument("--step", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--sync-save", action="store_true", help="save in wait_for_save (the connector's async_save off)")
-    ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
@@ -163,8 +163,7 @@ def main() -> int:
               f"{r['remote_over_cold']:>11.3f} {'same' if r['tokens_equal'] else 'DIFF':>7}")
     print(f"time saving held up server a's engine steps, in total: {STALLS.get('a')} s "
           f"({'asynchronous' if not a.sync_save else 'synchronous'} saves)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep, indent=2))
+    write_record(a.json, rep, a)
     return 0 if all(r["tokens_equal"] for r in rows) else 1
 
 
