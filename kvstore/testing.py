@@ -104,10 +104,12 @@ def free_port_pair() -> int:
     return free_port(2)
 
 
-def wait_for(pred: Callable[[], object], timeout: float = 15.0, interval: float = 0.02) -> bool:
+def wait_for(pred: Callable[[], object], timeout: float = 60.0, interval: float = 0.02) -> bool:
     """Poll ``pred`` until it is true or ``timeout`` seconds pass; True if it became true.
 
-    For asynchronous effects (replication, gauges): wait with a deadline, never a fixed sleep.
+    For asynchronous effects (replication, gauges): wait with a deadline, never a fixed sleep. The
+    default deadline is generous (a busy two-core machine, a CPU hog beside the tests): a condition
+    that holds returns at once, so only a failure waits it out.
     """
     deadline = time.monotonic() + timeout
     while not pred():

@@ -18,7 +18,7 @@ def test_fuzz_every_decoder_briefly(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), "--seconds", "3", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    res = {x["target"]: x for x in json.loads(out.read_text())}
+    res = {x["target"]: x for x in json.loads(out.read_text())["results"]}
     assert set(res) == {"ipc", "peer", "superblock", "header"}
     assert res["ipc"]["inputs"] > 100 and res["ipc"]["unanswered"] == 0 and res["ipc"]["unconsumed"] == 0
     assert res["ipc"]["answered"] > 30

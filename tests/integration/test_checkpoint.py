@@ -118,7 +118,7 @@ def test_periodic_checkpoint_serves_a_restart_after_kill_9(file_devices: Any, ho
     assert put_all(home, "pk", keys) == 80
     ckpt = checkpoint_path(home, "pk", "local")
     t = time.time()
-    assert wait_for(lambda: ckpt.exists() and ckpt.stat().st_mtime > t + 0.1, timeout=10)
+    assert wait_for(lambda: ckpt.exists() and ckpt.stat().st_mtime > t + 0.1, timeout=60)
     os.kill(svc.pid, signal.SIGKILL)
     svc.stop()
     seen = len(svc.log.read_text())

@@ -62,7 +62,7 @@ def test_timed_out_calls_during_a_stall_store_nothing_phantom(file_devices, home
             with c.get(b[s:s + 16]) as got:
                 assert check_batch(b[s:s + 16], got)[2] == 0
         # every buffer comes back once the service has answered what it held
-        assert wait_for(lambda: c.free_buffers() == c.max_batch, timeout=10), c.free_buffers()
+        assert wait_for(lambda: c.free_buffers() == c.max_batch, timeout=60), c.free_buffers()
         # and the client stays usable
         more = keys_of("D", 8)
         assert c.put(more, [page_bytes(k, PS) for k in more], wait=True).stored == 8
@@ -79,7 +79,7 @@ def test_stall_torture_no_wrong_or_phantom_page(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(STALL_SCRIPT), "--seconds", "12", "--clients", "2", "--keys", "200",
                         "--json", str(out)], capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
-    rep = json.loads(out.read_text())
+    rep = json.loads(out.read_text())["results"]
     assert rep["stalls"] >= 10 and rep["timeouts"] > 0          # the adversary was present
     assert rep["hits"] > 100 and rep["sweep_hits"] > 0            # and pages were really read
     assert (rep["wrong"], rep["phantom"], rep["sweep_wrong"], rep["sweep_phantom"], rep["leaked"]) == (0,) * 5
@@ -140,7 +140,7 @@ def test_trickling_and_garbage_handshakes_do_not_delay_a_healthy_client(file_dev
             assert s.recv(10) == b""  # the service ended that connection
             s.close()
             assert c.ping() < 5  # and still serves the healthy one
-            assert wait_for(lambda: closed_by_service[0] >= 2, timeout=10)  # tricklers dropped at the deadline
+            assert wait_for(lambda: closed_by_service[0] >= 2, timeout=60)  # tricklers dropped at the deadline
     finally:
         stop.set()
         for t in threads:
@@ -183,7 +183,7 @@ def test_lying_client_is_refused_and_changes_nobody_elses_pages(file_devices, ho
             return seq[0]
 
         def answer_of(d: P.Descriptor) -> int:
-            assert wait_for(lambda: d.state == P.D_ANSWERED, timeout=5)
+            assert wait_for(lambda: d.state == P.D_ANSWERED, timeout=60)
             st = int(d.head["status"][0])
             d.set_state(P.D_FREE)
             return st
