@@ -47,8 +47,9 @@ class FakeProc:
 class Service:
     """The service's parts over one store, stepped by hand."""
 
-    def __init__(self, home: Path, devices: list[str], servers: list[str] | None = None) -> None:
-        self.cfg = cfg = make_store(home, "u", devices, PAGE, servers)
+    def __init__(self, home: Path, devices: list[str], servers: list[str] | None = None, spare: int = 0) -> None:
+        self.home = home
+        self.cfg = cfg = make_store(home, "u", devices, PAGE, servers, spare=spare)
         name = cfg.servers[0].name
         m = verified_membership(cfg, name, 0, home, structlog.get_logger())
         self.rt = Runtime(cfg.name, name, home, anonymous=True)
