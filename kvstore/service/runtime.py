@@ -48,7 +48,6 @@ class Runtime:
     group: int | None = None
     """The access group (``service.access_group``): its members may connect."""
     anonymous: bool = False
-    pid: int = field(default_factory=os.getpid)
     segments: list[Segment] = field(default_factory=list)
     wakes: list[str] = field(default_factory=list)
 
@@ -131,7 +130,7 @@ class Runtime:
         """The fields every accepted hello carries (``Clients`` adds the connection's own)."""
         cfg = st.cfg
         return {"page_size": cfg.page_size, "control": self.prefix + "control", "doorbell": self.doorbell,
-                "service_pid": self.pid, "store": cfg.name, "server": self.server,
+                "service_pid": os.getpid(), "store": cfg.name, "server": self.server,
                 "stats": self.prefix + "stats", "slots": st.smap.total, "max_clients": cfg.service.max_clients,
                 "workers": list(worker_wakes), "areas": [list(c) for c in st.smap.counts]}
 

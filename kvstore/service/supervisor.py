@@ -50,7 +50,7 @@ import structlog
 from ..config import StoreConfig, mass_home
 from ..crdt.serverkeys import serving_key
 from ..crdt.log import SyncRings
-from ..errors import AlreadyRunning, NotAllowed
+from ..errors import AlreadyRunning, KVStoreError, NotAllowed
 from ..shm.board import BOARD_BYTES
 from ..shm.segment import remove_leftovers
 from ..shm.wake import WakeReader
@@ -193,10 +193,13 @@ class Supervisor:
         if "agent" in p:
             p["agent"].turn(now)
         if p["reloads"].turn(now):  # the servers changed: start replicating, or re-peer the agent
-            if "agent" in p:
-                p["agent"].replace()  # without waiting: the new one binds once the old one exited
-            elif len(st.cfg.servers) > 1:
-                self._start_sync()
+            try:
+                if "agent" in p:
+                    p["agent"].replace()  # without waiting: the new one binds once the old one exited
+                elif len(st.cfg.servers) > 1:
+                    self._start_sync()
+            except (ValueError, KVStoreError, OSError) as e:  # the service serves on as it was
+                self.log.warning("store config changed but was not applied", error=str(e))
         st.turn(now)
         p["gauges"].turn(now)
 
@@ -224,6 +227,8 @@ class Supervisor:
         """SIGTERM and SIGINT stop the loop cleanly; SIGHUP re-reads the membership and config now."""
         def _stop(signum: int, frame: Any) -> None:
             self.stop = True
+            if self.st is not None:  # the parts respawn and accept nothing more from now on
+                self.st.stopping = True
 
         def _hup(signum: int, frame: Any) -> None:
             if "reloads" in self.parts:

@@ -167,7 +167,7 @@ class SyncLink:
             changed = apply(self.slots, gids, regs)
             if len(changed):
                 valid = changed[self.slots["state"][changed] == VALID]
-                if self.on_change is not None:  # (the digests cost: computed only for listeners)
+                if self.on_change is not None:  # the replaced registers' digests: for KV events
                     old = before[np.searchsorted(uniq, changed)]
                     self.on_change([bytes(d) for d in entry_words(old[old["state"] == VALID])], valid)
                 self.index.index_slots(valid)

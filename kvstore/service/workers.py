@@ -68,13 +68,17 @@ class Workers:
         self._on_replaced = on_replaced
         n = st.cfg.service.max_clients
         self.slots: list[WorkerSlot] = []
-        for d, path in enumerate(st.cfg.devices):
-            # the worker's rings and connection table: the service's and the worker's alone
-            seg = rt.segment(f"w{d}", WorkerRings.nbytes(n), 0o600)
-            rings = WorkerRings(seg.buf, n)
-            rings.pins[:] = -1  # no direct read pins anything yet
-            wake = rt.wake(rt.worker_wake(d))  # drained by the worker; this end keeps it open and posts
-            self.slots.append(WorkerSlot(d, path, seg, rings, wake, rt.worker_wake(d)))
+        try:
+            for d, path in enumerate(st.cfg.devices):
+                # the worker's rings and connection table: the service's and the worker's alone
+                seg = rt.segment(f"w{d}", WorkerRings.nbytes(n), 0o600)
+                rings = WorkerRings(seg.buf, n)
+                rings.pins[:] = -1  # no direct read pins anything yet
+                wake = rt.wake(rt.worker_wake(d))  # drained by the worker; this end keeps it open and posts
+                self.slots.append(WorkerSlot(d, path, seg, rings, wake, rt.worker_wake(d)))
+        except BaseException:
+            self.close()  # the wake-ups made so far (``rt`` removes the names and segments)
+            raise
         self.zombies: list[tuple[Any, list[tuple[Conn, int]]]] = []
         self._last_check_ns = 0
 
