@@ -52,6 +52,7 @@ import msgpack
 
 from ..client import KVCacheClient
 from ..errors import KVStoreError, QuotaExceeded
+from .pagefit import advice
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -167,6 +168,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._loads: dict[int, Any] = {}
         self._locks: dict[Any, tuple[int, list[bytes]]] = {}  # object -> (lock count, pinned page keys)
         self._layouts: dict[int, Layout] = {}  # object group -> layout seen in stores and loads
+        self._advised: set[int] = set()  # object sizes whose page fit was logged
         # counters since start, in report_status (LMCache's status API: `lmcache server`'s /info)
         self._stats = dict.fromkeys(("stored_objects", "stored_bytes", "store_failed_objects", "store_s",
                                      "lookup_objects", "lookup_hits", "loaded_objects", "loaded_bytes",
@@ -241,6 +243,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
         for key, obj in zip(keys, objects):
             layout = object_layout(obj)
             size = layout[0]
+            if size not in self._advised:  # once per object size: what the store's page size costs it
+                self._advised.add(size)
+                tip = advice("an LMCache object", size, ps)
+                if tip:
+                    log.warning("kvstore L2 adapter: %s", tip)
             data = memoryview(obj.byte_array).cast("B")[:size]
             for i, pk in enumerate(page_keys(key, layout, ps)):
                 piece = data[i * ps:(i + 1) * ps]

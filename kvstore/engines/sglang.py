@@ -60,6 +60,7 @@ import torch
 
 from ..client import KVCacheClient
 from ..errors import KVStoreError
+from .pagefit import advice
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
@@ -127,6 +128,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             raise ValueError(f"kvstore HiCache backend: one SGLang page ({tokens} tokens) is {need} bytes, but store "
                              f"{self._store!r} has {self.page_bytes}-byte pages: create a store with --page-size "
                              f">= {need} (a multiple of 4 KiB)")
+        tip = advice(f"an SGLang page ({tokens} tokens)", need, self.page_bytes)
+        if tip:
+            log.warning("kvstore HiCache backend: %s", tip)
         self.tokens_per_page = tokens
         self._sizes = [int(s) for s in sizes]
         self._host_page_bytes = need

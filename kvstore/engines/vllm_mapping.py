@@ -43,6 +43,8 @@ import torch
 from ..client import KVCacheClient
 from ..keys import KeyNamespace, page_keys, tail_key
 
+from .pagefit import advice
+
 log = structlog.get_logger(__name__)
 
 NULL_BLOCK = 0
@@ -543,6 +545,9 @@ class WorkerSide:
             raise ValueError(f"a page of {blocks_per_page} vLLM blocks is {self.page_bytes} bytes, the store's pages "
                              f"are {client.page_size}: create the store with --page-size >= {self.page_bytes} "
                              "or lower page_tokens")
+        tip = advice(f"a page of {blocks_per_page} vLLM blocks", self.page_bytes, client.page_size)
+        if tip and tp_rank == 0:
+            log.warning("kvstore page size does not fit the engine's pages", advice=tip)
         self.device = self.caches[0].device
 
     def _rank_keys(self, keys: Sequence[bytes]) -> list[bytes]:

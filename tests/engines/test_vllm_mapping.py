@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import structlog.testing
 
 torch = pytest.importorskip("torch")
 
@@ -155,6 +156,13 @@ def test_layouts_it_cannot_move_are_refused_clearly(store: Path) -> None:
         big = {"l": torch.zeros((4, 64, BS, 64), dtype=torch.float32)}
         with pytest.raises(ValueError, match="--page-size >="):
             WorkerSide(c, layout_of(big, "X", BS), BS, BPP, big)
+        # pages far smaller than the store's: accepted, with the page size that fits, once
+        small = {"l": torch.zeros((4, 1, BS, 8), dtype=torch.bfloat16)}
+        with structlog.testing.capture_logs() as logs:
+            WorkerSide(c, layout_of(small, "X", BS), BS, BPP, small)
+            worker(c, caches())  # the simulation's pages fill the store's exactly: nothing to say
+        tips = [e["advice"] for e in logs if e["event"] == "kvstore page size does not fit the engine's pages"]
+        assert len(tips) == 1 and "of 256 bytes uses 1% of a" in tips[0] and "--page-size 4096" in tips[0], tips
 
 
 def test_async_saves_report_done_only_when_saved_and_wait_for_preempted(store: Path) -> None:
