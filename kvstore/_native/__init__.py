@@ -9,3 +9,7 @@ digests and the lock-free key-index reader; ``worker.c``: one turn of an I/O wor
 small CPython extension (``_keypack``) that checks and packs client keys in one pass
 (cffi cannot take Python objects).
 """
+
+# the compiled core first: in a checkout that was never built, this is the import that fails,
+# with the reason and what to do (lib.py), before any other module of the package asks for it
+from . import lib as lib  # noqa: E402
