@@ -162,7 +162,8 @@ def test_layouts_it_cannot_move_are_refused_clearly(store: Path) -> None:
             WorkerSide(c, layout_of(small, "X", BS), BS, BPP, small)
             worker(c, caches())  # the simulation's pages fill the store's exactly: nothing to say
         tips = [e["advice"] for e in logs if e["event"] == "kvstore page size does not fit the engine's pages"]
-        assert len(tips) == 1 and "of 256 bytes uses 1% of a" in tips[0] and "--page-size 4096" in tips[0], tips
+        assert len(tips) == 1 and f"of 256 bytes uses 2% of a {PAGE_BYTES}-byte page" in tips[0], tips
+        assert "--page-size 4096" in tips[0], tips
 
 
 def test_async_saves_report_done_only_when_saved_and_wait_for_preempted(store: Path) -> None:
