@@ -4,6 +4,8 @@
   signing key (kept on this machine) and this machine's config.
 * ``allow_server`` / ``deny_server``: rewrite the membership on every device, signed;
   every machine's running services pick it up by polling the superblocks.
+* ``invalidate``: move tenants' key spaces (or every one) to a new key epoch, signed on
+  every device: no page saved before is served again (after a weight update, a bad deploy).
 * ``join_store``: a GPU server with nothing but a device path (and its own key) learns
   the store from the devices and writes its own config.
 
@@ -29,9 +31,9 @@ from .config import (ADDRESS_RE, LocalConfig, ServerConfig, ServiceConfig, Store
                      admin_key_path, check_address, check_name, compose_membership, compose_store, key_path,
                      load_local, load_store, mass_home, note_membership, save_store, seen_record, store_path)
 from .errors import DeviceMismatch, NotAllowed, StoreNotFound
-from .storage.membership import (AdminKey, Membership, change_membership, fingerprint, raw_device_indexes,
+from .storage.membership import (AdminKey, Epochs, Membership, change_membership, fingerprint, raw_device_indexes,
                                  read_membership)
-from .storage.superblock import AREA_DENIED, Area, Superblock
+from .storage.superblock import AREA_DENIED, Area, Superblock, bump_epochs
 
 
 @dataclass(frozen=True)
@@ -360,6 +362,47 @@ def _deny(home: Path, cfg: StoreConfig, name: str) -> tuple[StoreConfig, int]:
     return compose_store(load_local(cfg.name, home), home), index
 
 
+@dataclass(frozen=True)
+class Invalidated:
+    """What ``invalidate`` did."""
+
+    cfg: StoreConfig
+    """The store as composed after it (``membership_gen``, ``key_epoch``, ``epochs``)."""
+    namespaces: tuple[str, ...]
+    """The key spaces invalidated by name (empty with ``everyone``)."""
+    everyone: bool
+    """Every key space moved: asked for, or the epoch table had no room for another namespace."""
+
+
+def invalidate(home: Path, cfg: StoreConfig, tenants: Sequence[str] | None) -> Invalidated:
+    """Invalidate the pages of ``tenants`` (their key spaces, see ``StoreConfig.namespace_of``;
+    "" is the default tenant) or, with ``None``, of every tenant, in O(1): the key epochs on
+    every device move on (signed, the next membership generation) and every tenant salt of
+    those key spaces changes, so no digest of a page saved before is ever asked for again.
+    Running services apply it at their next superblock poll; their clients' next lookup uses
+    the new salt. The pages stay on the devices until their slots are reused.
+
+    Raises:
+        NotAllowed: no administrator key here. ValueError: a bad tenant name, or none given.
+    """
+    if tenants is not None and not tenants:
+        raise ValueError("name the tenants to invalidate (--tenant NAME, '' for the default tenant) or all")
+    with admin_lock(cfg.name, home):
+        cfg = load_store(cfg.name, home, torn_ok=True)
+        names = None if tenants is None else tuple(sorted({cfg.namespace_of(t) for t in tenants}))
+        admin = _admin(cfg, home)
+        everyone = False
+
+        def rekey(epochs: Epochs) -> Epochs:
+            nonlocal everyone
+            key_epoch, table, everyone = bump_epochs(epochs[0], epochs[1], names)
+            return key_epoch, table
+
+        _change(home, cfg, admin, lambda areas: areas, rekey=rekey)
+        return Invalidated(compose_store(load_local(cfg.name, home), home), () if everyone else names or (),
+                           everyone)
+
+
 def repair_store(home: Path, store: str, vouched: Sequence[str] = ()) -> tuple[Membership, tuple[int, ...]]:
     """Rewrite every device of ``store`` whose superblock is torn, rolled back (replayed),
     lagging, missing a copy or split, from the newest membership this machine has verified,
@@ -399,11 +442,11 @@ def admin_lock(store: str, home: Path) -> Iterator[None]:
 
 
 def _change(home: Path, cfg: StoreConfig, admin: AdminKey, change: Callable[[list[Area]], list[Area]],
-            vouched: Sequence[str] = ()) -> Membership:
+            vouched: Sequence[str] = (), rekey: Callable[[Epochs], Epochs] | None = None) -> Membership:
     record = seen_record(cfg.name, home)
     seen = record.load()
     m = change_membership(cfg.devices, store_uuid=cfg.uuid_bytes, admin=admin, change=change, seen=seen,
-                          vouched=vouched)
+                          vouched=vouched, rekey=rekey)
     record.note(m, seen)
     note_membership(cfg.name, cfg.uuid, m.gen, home)
     return m

@@ -251,6 +251,32 @@ def cmd_deny(a: argparse.Namespace) -> int:
     return EXIT_FAIL if late else EXIT_OK
 
 
+def cmd_invalidate(a: argparse.Namespace) -> int:
+    from .admin import invalidate
+
+    home = mass_home()
+    if bool(a.all) == (a.tenant is not None):
+        _err("name the tenants whose pages to invalidate (--tenant NAME, repeatable; --tenant '' for the "
+             "default tenant) or --all")
+        return EXIT_USAGE
+    cfg = load_store(a.store, home, torn_ok=True)
+    done = invalidate(home, cfg, None if a.all else a.tenant)
+    new = done.cfg
+    what = "every tenant's pages" if done.everyone else \
+        "the pages of key space(s) " + ", ".join(done.namespaces)
+    print(f"invalidated {what} on store {cfg.name}: key epoch {new.key_epoch}"
+          + (f", namespace epochs {', '.join(f'{n}={e}' for n, e in sorted(new.epochs.items()))}" if new.epochs
+             else "") + f" (membership generation {new.membership_gen})")
+    if done.everyone and not a.all:
+        print("the superblock's epoch table was full, so every tenant's key space moved (more misses, never "
+              "an old page)")
+    late = _tell_running(new, home, new.membership_gen, a.timeout)
+    print(f"no page saved before is served by a service that applied it; every machine serving the store "
+          f"applies it from the devices within {MEMBERSHIP_POLL_S:g} s. Routers that hash with a tenant salt "
+          "need the new one")
+    return EXIT_FAIL if late else EXIT_OK
+
+
 def cmd_repair(a: argparse.Namespace) -> int:
     from .admin import repair_store
 
@@ -750,6 +776,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("server", metavar="NAME")
     _wait_option(c)
     c.set_defaults(fn=cmd_deny)
+
+    c = ks.add_parser("invalidate", help="stop serving tenants' pages (or all) for good, in O(1): after a "
+                                         "weight update, a bad deploy",
+                      description="Move the key space of each named tenant (its shared namespace, as this "
+                                  "machine's [namespaces] maps it), or with --all every tenant's, to a new key "
+                                  "epoch, signed on every device's superblock. No page saved before is looked up, "
+                                  "loaded or offered again; its slots are reused as space is needed. Running "
+                                  "services apply it from the devices (this machine's at once, and it waits for "
+                                  "them). Runs where the administrator key is. The superblock names up to 6 "
+                                  "namespaces; invalidating a 7th moves every key space.")
+    c.add_argument("store")
+    c.add_argument("--tenant", action="append", metavar="NAME",
+                   help="a tenant whose pages to invalidate (repeatable; '' is the default tenant)")
+    c.add_argument("--all", action="store_true", help="invalidate every tenant's pages")
+    _wait_option(c)
+    c.set_defaults(fn=cmd_invalidate)
 
     c = ks.add_parser("repair", help="rewrite torn or replayed superblocks from the last verified membership",
                       description="On the administrator's machine: rewrite every device whose superblock copies "

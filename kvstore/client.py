@@ -282,6 +282,7 @@ class KVCacheClient:
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
         self._salt: bytes = hello["salt"]
+        self._salt_seq = 0  # the channel's keyspace word when ``_salt`` was taken (see ``_tenant_salt``)
         lay = ControlLayout.of(hello["slots"])
         if lay.nbytes > self._control_seg.size:
             raise KVStoreError("the service's shared-memory layout is not this client's "
@@ -576,7 +577,7 @@ class KVCacheClient:
             # answered here from the shared index, no round trip (it is a hint either way: a
             # get validates what it reads); only a lookup that keeps overlapping an index
             # rebuild asks the service
-            found = self._index.lookup_keys(blob, lens, self._salt, prefix=prefix)
+            found = self._index.lookup_keys(blob, lens, self._tenant_salt(), prefix=prefix)
             if found is not None:
                 gids, done = found
                 hit = gids >= 0
@@ -586,6 +587,16 @@ class KVCacheClient:
                 lead = hit[:done]
                 return int(np.argmin(lead)) if not lead.all() else done, hit
             return self._lookup_service(key_digests(keys)[0], timeout)
+
+    def _tenant_salt(self) -> bytes:
+        """This connection's tenant salt: the hello's, or the one the service published since
+        (an administrator moved the tenant's key space; ipc/connection.py "keyspace")."""
+        seq = self._chan.salt_seq()
+        if seq != self._salt_seq:
+            salt = self._chan.read_salt(seq)
+            if salt is not None:  # None: being rewritten this instant; the next call takes it
+                self._salt, self._salt_seq = salt, seq
+        return self._salt
 
     def _lookup_service(self, ids: np.ndarray[Any, Any], timeout: float | None) -> tuple[int, np.ndarray[Any, Any]]:
         """Lookup through the service (caller holds the lock)."""
@@ -625,7 +636,7 @@ class KVCacheClient:
         with self._lock:
             self._check_open()
             t0 = time.monotonic()
-            ids, words = key_digests(keys, self._salt)
+            ids, words = key_digests(keys, self._tenant_salt())
             assert words is not None
             gids = self._index.lookup(words)
             if gids is None:  # the index kept being rebuilt under us: the service reads instead

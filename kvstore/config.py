@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import secrets
+import struct
 import sys
 import uuid as uuidlib
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import tomli_w
 
 from .errors import StoreNotFound
+from .storage.superblock import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:
     from .storage.membership import Membership, SeenRecord
@@ -244,6 +246,10 @@ class StoreConfig:
     are refused. Pinned in this machine's config at create or first connect."""
     membership_gen: int = 0
     """The devices' membership generation this config was composed from."""
+    key_epoch: int = 0
+    """The devices' store-wide key epoch (``mass-ctl kvcache invalidate STORE --all``)."""
+    epochs: dict[str, int] = field(default_factory=dict)
+    """The devices' per-namespace key epochs (``invalidate --tenant``), by ``namespace_of``."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -352,16 +358,24 @@ class StoreConfig:
                          f"{', '.join(repr(t) for t in mine) if mine else 'no tenant (the default one)'}; an "
                          "administrator grants tenants in [tenants] (user:NAME, uid:N, group:NAME, gid:N)")
 
-    def tenant_salt(self, tenant: str) -> bytes:
-        """The salt of ``tenant``'s key space (see ``namespaces``); raises ``ValueError`` on a bad name."""
+    def namespace_of(self, tenant: str) -> str:
+        """The key space ``tenant`` uses (``namespaces``), as the superblock's epoch table names it."""
         if tenant:
             check_name(tenant, "tenant")
+        return self.namespaces.get(tenant, tenant) or DEFAULT_NAMESPACE
+
+    def tenant_salt(self, tenant: str) -> bytes:
+        """The salt of ``tenant``'s key space (see ``namespaces``) in its current key epochs;
+        raises ``ValueError`` on a bad name."""
+        ns = self.namespace_of(tenant)
         # the default tenant ("") is derived like any other: the store salt itself never leaves
         # the service (a client holding it could derive every tenant's salt); tenant names are
         # never empty, so its key space is its own
-        ns = self.namespaces.get(tenant, tenant)
-        return hashlib.blake2b(ns.encode(), digest_size=32, key=bytes.fromhex(self.salt),
-                               person=b"kvstore-tenant").digest()
+        data = (self.namespaces.get(tenant, tenant)).encode()
+        epochs = (self.key_epoch, self.epochs.get(ns, 0))
+        if epochs != (0, 0):  # a new key space per epoch pair; NUL is in no name, so none collides
+            data += b"\0" + struct.pack("<QQ", *epochs)
+        return hashlib.blake2b(data, digest_size=32, key=bytes.fromhex(self.salt), person=b"kvstore-tenant").digest()
 
     @property
     def uuid_bytes(self) -> bytes:
@@ -484,15 +498,16 @@ class LocalConfig:
             raise ValueError(f"malformed store config: {e}") from None
 
     def compose(self, page_size: int, salt: bytes, members: list[tuple[str, str, str, bool]],
-                membership_gen: int) -> StoreConfig:
+                membership_gen: int, key_epoch: int = 0, epochs: Sequence[tuple[str, int]] = ()) -> StoreConfig:
         """The full config: this machine's part plus the devices' (``members``: name, sync,
-        Z85 public key, denied, in area order)."""
+        Z85 public key, denied, in area order; the key epochs)."""
         servers = tuple(ServerConfig(n, sync, pub, self.hosted.get(n, {}).get("events", ""),
                                      self.hosted.get(n, {}).get("metrics", ""), denied)
                         for n, sync, pub, denied in members)
         return StoreConfig(name=self.name, uuid=self.uuid, page_size=page_size, devices=self.devices,
                            servers=servers, salt=salt.hex(), admin_key=self.admin_key,
-                           membership_gen=membership_gen, worker=self.worker, service=self.service,
+                           membership_gen=membership_gen, key_epoch=key_epoch, epochs=dict(epochs),
+                           worker=self.worker, service=self.service,
                            sync=self.sync, namespaces=dict(self.namespaces), quotas=dict(self.quotas),
                            pin_quotas=dict(self.pin_quotas), tenants={t: list(p) for t, p in self.tenants.items()})
 
@@ -600,7 +615,7 @@ def compose_membership(local: LocalConfig, home: Path | None = None, *, torn_ok:
 
     members = [(x.name, x.sync, zmq.utils.z85.encode(x.public_key).decode() if x.public_key else "", x.denied)
                for x in m.members]
-    return local.compose(m.newest.page_size, m.newest.salt, members, m.gen), m
+    return local.compose(m.newest.page_size, m.newest.salt, members, m.gen, m.newest.key_epoch, m.newest.epochs), m
 
 
 def seen_membership(name: str, uuid: str, home: Path | None = None) -> int:

@@ -73,3 +73,20 @@ def test_config_of_the_old_format_is_refused_with_what_to_do() -> None:
         LocalConfig.from_toml(old)
     with pytest.raises(ValueError, match=r"\[servers.a\]: unknown setting"):
         LocalConfig.from_toml(cfg().to_toml() + '\n[servers.a]\nsync = "127.0.0.1:1"\n')
+
+
+def test_key_epochs_move_exactly_the_key_spaces_they_name() -> None:
+    store = cfg(namespaces={"t1": "shared", "t2": "shared"})
+    before = {t: store.tenant_salt(t) for t in ("", "t1", "t2", "t3")}
+    assert before["t1"] == before["t2"] and len(set(before.values())) == 3
+    assert store.namespace_of("t1") == "shared" and store.namespace_of("") == ":default"
+    one = dataclasses.replace(store, epochs={"shared": 1})
+    assert {t: one.tenant_salt(t) != before[t] for t in before} == {"": False, "t1": True, "t2": True, "t3": False}
+    assert one.tenant_salt("t1") == one.tenant_salt("t2")
+    default = dataclasses.replace(store, epochs={":default": 1})
+    assert {t for t in before if default.tenant_salt(t) != before[t]} == {""}
+    every = dataclasses.replace(store, key_epoch=1)
+    assert all(every.tenant_salt(t) != before[t] for t in before)
+    # (key epoch, namespace epoch) pairs give distinct salts: (1, 0) is not (0, 1)
+    assert dataclasses.replace(store, key_epoch=1).tenant_salt("t3") != \
+        dataclasses.replace(store, epochs={"t3": 1}).tenant_salt("t3")

@@ -167,8 +167,8 @@ class _Conn:
         ring = self.chan.direct[p.device_index]
         _ring(c.ring, ring)
         c.head = int(LIB.kv_load_acquire_u64(ring._head))  # ours from here on; the tail is checked against it
-        self._salt = FFI.from_buffer(entry["salt"].tobytes())
-        LIB.kv_b2b_keyed(c.keyed, self._salt, 32)
+        self.salt_seq = -1
+        self.rekey(entry)
         c.pins = _ptr("int64_t *", self.chan.pins)
         c.dseq = _ptr("uint64_t *", self.chan.dseq)
         c.wstat = _ptr("int32_t *", self.chan.wstat)
@@ -177,7 +177,23 @@ class _Conn:
         c.busy = _ptr("int64_t *", busy)
         c.wake = 0
         c.refused = 0
-        c.live = 1
+        # its reads are taken once its salt is (a slot reused from another connection holds that one's)
+        c.live = 1 if self.salt_seq >= 0 else 0
+
+    def rekey(self, entry: Any) -> bool:
+        """Take the tenant salt the supervisor wrote (``salt_seq``: a seqlock, odd while it
+        writes); False when it is being rewritten (look again next turn)."""
+        seq = int(entry["salt_seq"])
+        if seq & 1:
+            return False
+        salt = entry["salt"].tobytes()
+        LIB.kv_fence()
+        if int(entry["salt_seq"]) != seq:
+            return False
+        LIB.kv_b2b_keyed(self.c.keyed, FFI.from_buffer(salt), 32)
+        self.salt_seq = seq
+        self.c.live = 1
+        return True
 
     def close(self) -> None:
         if self.wake is not None:
@@ -268,6 +284,7 @@ class Worker:
         self.conns: dict[int, _Conn] = {}
         self._conn_gens = np.zeros(p.max_clients, dtype=np.uint64)
         self._gens_seen = self._conn_gens.tobytes()
+        self._salts_seen = b""
         self._leaving: list[_Conn] = []   # gone from the table, still with reads in flight
         self._log = structlog.get_logger(__name__)
 
@@ -323,6 +340,12 @@ class Worker:
         t = self.conn_table
         if t is None:
             return
+        salts = t["salt_seq"].tobytes()
+        if salts != self._salts_seen:  # an administrator moved a tenant's key space: new salts
+            seqs = np.frombuffer(salts, dtype="<u8")
+            stale = [conn for cid, conn in self.conns.items() if conn.salt_seq != int(seqs[cid])]
+            if all([conn.rekey(t[conn.cid]) for conn in stale]):
+                self._salts_seen = salts
         raw = t["gen"].tobytes()  # a cheap look each loop turn; most turns nothing changed
         if raw == self._gens_seen:
             return

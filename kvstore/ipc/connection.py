@@ -54,6 +54,11 @@ Connection segment layout (``ClientChannel``)::
                  ddev   u32  client: device of that read
                  wstat  i32  worker: status of the read (ST_* of ipc/iorings.py)
                  wseq   u64  worker: seq of the read ``wstat`` is for (store-release)
+    keyspace     64 bytes, service -> client: u64 ``seq`` (odd while the service writes), then
+                 the connection's current tenant salt (32 bytes). The service rewrites it when
+                 an administrator moves the tenant's key space (``mass-ctl kvcache invalidate``);
+                 the client takes the salt for its own lookups when ``seq`` changed (a seqlock).
+                 The client could write it too, and would only mislead its own lookups.
 
 Direct reads (gets that bypass the supervisor; see client.py ``_get_direct``): the client
 finds the slot in the shared index, notes it in ``pins`` (its own bookkeeping: the service
@@ -114,6 +119,7 @@ HIST_BUCKETS = 32        # as the stats block's histograms
 COUNTERS_WORDS = 5 + HIST_BUCKETS  # client-written counters, after the descriptors
 POLL_READS = 2  # a direct-read batch this small is latency-bound: the client polls for its answer,
                 # and the worker that served it polls a little before it sleeps (no wake-ups)
+KEYSPACE_BYTES = 64  # the channel's last part: salt seq and salt (service -> client)
 C_LOOKUPS, C_LOOKUP_KEYS, C_GETS, C_GET_KEYS, C_GET_MISSES, C_HIST = range(6)
 
 #: client -> I/O worker: one direct read, 64 bytes
@@ -277,6 +283,30 @@ class ClientChannel:
         self._wseq_off = o
         self.wseq = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
         self._wseq = FFI.cast("uint64_t *", base + o)
+        o += _round64(8 * max_batch)
+        self._kseq = FFI.cast("uint64_t *", base + o)
+        self._ksalt = np.frombuffer(buf, dtype=np.uint8, count=32, offset=o + 8)
+
+    def publish_salt(self, salt: bytes) -> None:
+        """Service: the connection's tenant salt changed (a seqlock: odd while written)."""
+        seq = int(LIB.kv_load_acquire_u64(self._kseq))
+        LIB.kv_store_release_u64(self._kseq, seq | 1)
+        LIB.kv_fence()
+        self._ksalt[:] = np.frombuffer(salt, dtype=np.uint8)
+        LIB.kv_store_release_u64(self._kseq, (seq | 1) + 1)
+
+    def salt_seq(self) -> int:
+        """Client: the keyspace word (0 until the service first changes the salt)."""
+        return int(LIB.kv_load_acquire_u64(self._kseq))
+
+    def read_salt(self, seq: int) -> bytes | None:
+        """Client: the salt published with ``seq`` (``salt_seq``), or None when it was being
+        rewritten meanwhile (look again)."""
+        if seq & 1:
+            return None
+        salt = self._ksalt.tobytes()
+        LIB.kv_fence()
+        return salt if int(LIB.kv_load_acquire_u64(self._kseq)) == seq else None
 
     def pinned(self, gid: int) -> bool:
         """Whether one of this connection's direct reads pins slot ``gid`` (the caller fences first)."""
@@ -296,7 +326,8 @@ class ClientChannel:
         """Size of the channel (the start of a connection segment)."""
         return (Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch) + _round64(8 * COUNTERS_WORDS)
                 + n_devices * Ring.nbytes(direct_capacity(max_batch), DIRECT_REQ)
-                + 2 * _round64(8 * max_batch) + 2 * _round64(4 * max_batch) + _round64(8 * max_batch))
+                + 2 * _round64(8 * max_batch) + 2 * _round64(4 * max_batch) + _round64(8 * max_batch)
+                + KEYSPACE_BYTES)
 
     @staticmethod
     def layout(max_batch: int, n_devices: int, page_size: int) -> tuple[int, int, int]:

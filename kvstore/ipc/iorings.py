@@ -76,7 +76,7 @@ WCONN = np.dtype([
     ("lease_count", "<u4"),  # supervisor: buffers in its lease
     ("salt", "u1", 32),      # supervisor: its tenant's salt (what its key ids are salted with)
     ("busy", "<i8"),         # worker: buffers of this id's lease it reads into or is taking (>= 0)
-    ("pad", "<u8"),
+    ("salt_seq", "<u8"),     # supervisor: odd while it rewrites ``salt`` of a live connection, +2 each time
 ])
 assert WCONN.itemsize == 64
 

@@ -58,6 +58,7 @@ class Clients:
         self.tenant_ids: dict[str, int] = {}
         """Tenant name -> the small id the allocator counts slots and pins under."""
         self.generation = 0
+        self._keyspace = st.keyspace
         self.lsock: socket.socket | None = None
         self.handshakes: Handshakes | None = None
 
@@ -83,8 +84,39 @@ class Clients:
         self.handshakes = Handshakes(s)
 
     def turn(self, now: float) -> None:
-        """The tick's work: handshakes, new connections, gone clients."""
+        """The tick's work: new tenant salts, handshakes, new connections, gone clients."""
+        self.follow_keys()
         self.poll()
+
+    def follow_keys(self) -> int:
+        """After the key spaces moved (``st.keyspace``: an ``invalidate``, or this machine's
+        namespaces edited): give each connection whose tenant salt changed the new one, in
+        the service's own record (gets, puts, pins), in every worker's table (direct reads;
+        a seqlock) and in the connection's channel (the client's own lookups). Returns how
+        many connections changed."""
+        if self._keyspace == self.st.keyspace:
+            return 0
+        self._keyspace = self.st.keyspace
+        cfg, n = self.st.cfg, 0
+        for conn in self.conns.values():
+            salt = cfg.tenant_salt(conn.tenant)
+            if salt == conn.salt or conn.dropped:
+                continue
+            conn.salt = salt
+            for w in self.workers:
+                t = w.rings.conns
+                seq = int(t["salt_seq"][conn.id]) | 1
+                t["salt_seq"][conn.id] = seq
+                LIB.kv_fence()
+                t["salt"][conn.id] = np.frombuffer(salt, dtype=np.uint8)
+                LIB.kv_fence()
+                t["salt_seq"][conn.id] = seq + 1
+            conn.chan.publish_salt(salt)
+            n += 1
+        self.stats.add("salts_changed", n)
+        self.log.info("key spaces moved: connections given their tenant's new salt", connections=n,
+                      key_epoch=cfg.key_epoch, epochs=cfg.epochs)
+        return n
 
     def poll(self) -> None:
         """Advance handshakes, open the connections whose hello is complete, reap gone clients."""

@@ -46,6 +46,7 @@ COUNTERS = {
     "hints_received": ("hints_received", "Hit hints received from peers"),
     "config_reloads": ("config_reloads", "Membership changes (allow/deny) applied while running"),
     "areas_dropped": ("denied_dropped_pages", "Valid pages forgotten because their server was denied"),
+    "salts_changed": ("invalidated_connections", "Client connections re-keyed by an invalidate"),
     "requests_rejected": ("rejected_requests", "Client requests refused as malformed"),
     "requests_cancelled": ("cancelled_requests", "Client requests answered as cancelled (the client timed out)"),
     "handshakes_dropped": ("dropped_handshakes", "Connections dropped during the hello (slow, large, malformed)"),

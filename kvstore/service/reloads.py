@@ -178,6 +178,10 @@ class Reloads:
         if len(new.servers) < len(old.servers) or any(
                 o.name != n.name and not o.denied for o, n in zip(old.servers, new.servers)):
             raise ValueError("servers were removed or reordered (deny them instead; areas never shift)")
+        if (new.key_epoch, new.epochs, new.namespaces) != (old.key_epoch, old.epochs, old.namespaces):
+            st.keyspace += 1  # tenant salts moved: the clients part re-keys its connections (this tick)
+            st.log.warning("key spaces moved: pages saved before under them are no longer served",
+                           key_epoch=new.key_epoch, epochs=new.epochs)
         if new.servers == old.servers:
             st.cfg = new  # this machine's settings changed, or nothing that concerns us
             st.stats.set("config_generation", new.membership_gen)

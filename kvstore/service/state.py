@@ -65,6 +65,9 @@ class StoreState:
     ckpt: CheckpointWriter | None = None
     hints: list[int] = field(default_factory=list)
     """Peers' slots read since the last tick (the sync link tells their owners)."""
+    keyspace: int = 0
+    """Counts the reloads that may have changed tenant salts (key epochs, namespaces): the
+    clients part gives its connections the new ones."""
     stopping: bool = False
     refused: str = ""
     """Why the service stopped itself (denied, its key not here): ``serve`` raises it."""

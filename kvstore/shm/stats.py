@@ -111,6 +111,8 @@ class ServiceCounters:
     """Membership changes (allow/deny) applied while running."""
     areas_dropped: int = 0
     """Valid pages forgotten because their server was denied."""
+    salts_changed: int = 0
+    """Client connections given their tenant's new salt (an administrator's ``invalidate``)."""
     started_ns: int = 0
     """Service start time, ns since the epoch."""
     heartbeat_ns: int = 0

@@ -288,7 +288,8 @@ def read_membership(paths: Sequence[str], *, store_uuid: bytes | None, admin_key
     # devices at the newest generation that disagree on who owns what: two changes written at once
     # from two administrator machines; the membership in force is the lowest device's
     top = [x for x in sbs if x.membership_gen == gen]
-    split = tuple(x.device_index for x in top if [_ident(a) for a in x.areas] != [_ident(a) for a in top[0].areas])
+    split = tuple(x.device_index for x in top if [_ident(a) for a in x.areas] != [_ident(a) for a in top[0].areas]
+                  or (x.key_epoch, x.epochs) != (top[0].key_epoch, top[0].epochs))
     for i in split:
         refused.append(f"device {where[i]}: its membership of generation {gen} differs from device "
                        f"{top[0].device_index}'s: two changes were written at once; the membership in force is "
@@ -365,9 +366,13 @@ class SeenRecord:
                 pass
 
 
+Epochs = tuple[int, tuple[tuple[str, int], ...]]
+
+
 def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKey,
                       change: Callable[[list[Area]], list[Area]],
-                      seen: Mapping[str, Superblock] | None = None, vouched: Sequence[str] = ()) -> Membership:
+                      seen: Mapping[str, Superblock] | None = None, vouched: Sequence[str] = (),
+                      rekey: Callable[[Epochs], Epochs] | None = None) -> Membership:
     """Apply ``change`` to the newest area table and write it, signed, to every device with
     the next ``membership_gen`` (lagging, torn and rolled-back devices are rewritten by the
     same write; ``seen`` is this machine's record, see ``read_membership``), then read it
@@ -375,7 +380,8 @@ def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKe
     silent loss.
 
     ``change`` gets and returns the list of areas with the newest membership's names,
-    keys, addresses and flags; offsets and slot counts stay each device's own.
+    keys, addresses and flags; offsets and slot counts stay each device's own. The key
+    epochs are the newest membership's on every device, after ``rekey`` when given.
 
     Raises:
         DeviceMismatch: as ``read_membership``, or the devices did not keep what was written.
@@ -390,11 +396,15 @@ def change_membership(paths: Sequence[str], *, store_uuid: bytes, admin: AdminKe
                                         for a, b in zip(after, before)):
         raise ValueError("a membership change may not add, move or resize areas")
     after = [dataclasses.replace(a, changed_gen=gen) if _ident(a) != _ident(b) else a for a, b in zip(after, before)]
+    key_epoch, epochs = (cur.newest.key_epoch, cur.newest.epochs)
+    if rekey is not None:
+        key_epoch, epochs = rekey((key_epoch, epochs))
     written = []
     for path, sb in zip(cur.paths, cur.sbs):
         areas = tuple(dataclasses.replace(mine, server=a.server, flags=a.flags, public_key=a.public_key, sync=a.sync,
                                           changed_gen=a.changed_gen) for mine, a in zip(sb.areas, after))
-        new = admin.sign(dataclasses.replace(sb, generation=sb.generation + 1, membership_gen=gen, areas=areas))
+        new = admin.sign(dataclasses.replace(sb, generation=sb.generation + 1, membership_gen=gen, areas=areas,
+                                             key_epoch=key_epoch, epochs=epochs))
         write_superblock(path, new)
         written.append(new)
     got = read_membership(paths, store_uuid=store_uuid, admin_key=admin.public, min_gen=gen)
@@ -410,5 +420,5 @@ def _ident(a: Area) -> tuple[str, int, bytes, str]:
     return a.server, a.flags, a.public_key, a.sync
 
 
-__all__ = ["AdminKey", "Member", "Membership", "SeenRecord", "change_membership", "fingerprint",
+__all__ = ["AdminKey", "Epochs", "Member", "Membership", "SeenRecord", "change_membership", "fingerprint",
            "raw_device_indexes", "read_membership", "signed_by"]

@@ -9,7 +9,7 @@ Layout (little-endian, 8192 bytes; docs/FORMAT.md "Superblock")::
 
     off  size  field
       0     8  magic            b"KVSTSUPR"
-      8     4  version          u32, SUPERBLOCK_VERSION (2)
+      8     4  version          u32, 2; 3 once a key epoch is set (older readers refuse it)
      12     4  block_size       u32, 4096
      16    16  store_uuid       16 raw bytes
      32     8  generation       u64, bumped by every rewrite of this device's superblock
@@ -22,12 +22,13 @@ Layout (little-endian, 8192 bytes; docs/FORMAT.md "Superblock")::
      76     4  reserved         zero
      80    32  store_name       utf-8, NUL padded
     112     8  membership_gen   u64, store-wide: bumped by every create/allow/deny, same on every device
-    120     8  reserved         zero
+    120     8  key_epoch        u64, store-wide key epoch: +1 by every `invalidate` of all tenants
     128    32  salt             key-digest salt of the store (shared by all its servers)
     160    32  admin_key        Ed25519 public key of the store's administrator
     192    64  signature        Ed25519 by admin_key over bytes [0, 8184) with this field zeroed
     256 160*48 area table       MAX_AREAS entries of AREA_FMT (below), unused ones zero
-   7936   248  reserved         zero
+   7936   240  epoch table      EPOCH_SLOTS entries of EPOCH_FMT (below), unused ones zero
+   8176     8  reserved         zero
    8184     8  checksum         xxh3_64 of bytes [0, 8184)
 
     area entry (160 bytes):
@@ -39,6 +40,17 @@ Layout (little-endian, 8192 bytes; docs/FORMAT.md "Superblock")::
      56     8  changed_gen      u64, membership_gen of the entry's last change
      64    32  public_key       CurveZMQ public key (raw); zero: none
      96    64  sync             utf-8 "HOST:PORT" of its peer sync endpoint, NUL padded; empty: none
+
+    epoch entry (40 bytes):
+      0    32  namespace        utf-8, NUL padded (a key space: a tenant or shared namespace name,
+                                ":default" for the default tenant's)
+     32     8  epoch            u64, +1 by every `invalidate` of that namespace
+
+Key epochs (``mass-ctl kvcache invalidate``): every tenant's salt is derived from the store
+salt, its namespace and (key_epoch, the namespace's epoch). Bumping one moves that key space
+to digests no page ever written carries, in O(1); the pages become unreachable and are
+reused as space is needed. Pairs never repeat: key_epoch only grows, and a namespace's
+epoch restarts at 0 only together with a key_epoch bump (which clears the table).
 
 Why two copies: a rewrite (generation g+1) writes copy A, syncs, then copy B.
 A torn write leaves one copy whose checksum fails; the reader takes the valid
@@ -54,6 +66,7 @@ denied server allowing itself again, a key nobody admitted) fail to verify.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -62,6 +75,8 @@ from ..errors import CorruptPage
 
 MAGIC = b"KVSTSUPR"
 SUPERBLOCK_VERSION = 2
+#: Written instead of 2 once a key epoch is set, so a kvstore that cannot honour epochs refuses it.
+SUPERBLOCK_VERSION_EPOCHS = 3
 #: Version of the slot header format (storage/header.py); the superblock has its own.
 FORMAT_VERSION = 1
 BLOCK = 4096
@@ -74,11 +89,17 @@ AREA_FLAGS = AREA_DENIED
 KEY_BYTES = 32
 SYNC_BYTES = 64
 
-HEAD_FMT = "<8sII16sQQQQIIII32sQ8x32s32s64s"
+HEAD_FMT = "<8sII16sQQQQIIII32sQQ32s32s64s"
 AREA_FMT = "<32sQQI4xQ32s64s"
 HEAD_SIZE = struct.calcsize(HEAD_FMT)  # 256
 AREA_SIZE = struct.calcsize(AREA_FMT)  # 160
 AREA_TABLE_OFFSET = HEAD_SIZE
+EPOCH_TABLE_OFFSET = 7936
+EPOCH_FMT = "<32sQ"
+EPOCH_SIZE = struct.calcsize(EPOCH_FMT)  # 40
+EPOCH_SLOTS = 6
+#: The epoch-table name of the default tenant's key space (":" is in no tenant or namespace name).
+DEFAULT_NAMESPACE = ":default"
 SIGNATURE_OFFSET = 192
 SIGNATURE_SIZE = 64
 CHECKSUM_OFFSET = SUPERBLOCK_SIZE - 8
@@ -128,6 +149,15 @@ class Superblock:
     salt: bytes = bytes(32)
     admin_key: bytes = bytes(32)
     signature: bytes = bytes(64)
+    key_epoch: int = 0
+    """Store-wide key epoch (see the module docstring)."""
+    epochs: tuple[tuple[str, int], ...] = ()
+    """(namespace, epoch) of the key spaces invalidated on their own since ``key_epoch`` last grew."""
+
+    @property
+    def version(self) -> int:
+        """The format version this superblock is written with."""
+        return SUPERBLOCK_VERSION_EPOCHS if self.key_epoch or self.epochs else SUPERBLOCK_VERSION
 
     @property
     def slot_size(self) -> int:
@@ -143,13 +173,19 @@ class Superblock:
             raise ValueError(f"at most {MAX_AREAS} areas per device, got {len(self.areas)}")
         if len(self.salt) != 32 or len(self.admin_key) != KEY_BYTES or len(signature) != SIGNATURE_SIZE:
             raise ValueError("superblock: salt and admin key are 32 bytes, the signature 64")
+        if len(self.epochs) > EPOCH_SLOTS:
+            raise ValueError(f"at most {EPOCH_SLOTS} namespace epochs, got {len(self.epochs)}")
         buf = bytearray(SUPERBLOCK_SIZE)
         struct.pack_into(
-            HEAD_FMT, buf, 0, MAGIC, SUPERBLOCK_VERSION, BLOCK, self.store_uuid, self.generation,
+            HEAD_FMT, buf, 0, MAGIC, self.version, BLOCK, self.store_uuid, self.generation,
             self.page_size, self.device_size, self.data_offset, self.device_index,
             self.device_count, len(self.areas), 0, _fixed(self.store_name, 32, "store name"),
-            self.membership_gen, self.salt, self.admin_key, signature,
+            self.membership_gen, self.key_epoch, self.salt, self.admin_key, signature,
         )
+        for i, (ns, epoch) in enumerate(self.epochs):
+            if not ns or epoch < 1:
+                raise ValueError(f"epoch entry {i}: a namespace name and an epoch >= 1")
+            struct.pack_into(EPOCH_FMT, buf, EPOCH_TABLE_OFFSET + i * EPOCH_SIZE, _fixed(ns, 32, "namespace"), epoch)
         for i, a in enumerate(self.areas):
             if a.public_key and len(a.public_key) != KEY_BYTES:
                 raise ValueError(f"area {i}: a public key is {KEY_BYTES} bytes")
@@ -178,9 +214,10 @@ class Superblock:
         magic, version = struct.unpack_from("<8sI", data, 0)
         if magic != MAGIC:
             raise CorruptPage("superblock: bad magic (not a kvstore device)")
-        if version != SUPERBLOCK_VERSION:
+        if version not in (SUPERBLOCK_VERSION, SUPERBLOCK_VERSION_EPOCHS):
             raise CorruptPage(
-                f"superblock: format version {version}, this kvstore reads {SUPERBLOCK_VERSION}"
+                f"superblock: format version {version}, this kvstore reads {SUPERBLOCK_VERSION} and "
+                f"{SUPERBLOCK_VERSION_EPOCHS}"
                 + (" (version 1 kept the membership in a config file; re-create the store with "
                    "'mass-ctl kvcache create ... --force': its pages are regenerable cache)" if version == 1 else ""))
         if len(data) < SUPERBLOCK_SIZE:
@@ -189,7 +226,7 @@ class Superblock:
         if stored != xxhash.xxh3_64_intdigest(data[:CHECKSUM_OFFSET]):
             raise CorruptPage("superblock: checksum mismatch")
         (_m, _v, block, uuid, gen, page_size, dev_size, data_off, dev_idx, dev_count, n_areas, _res, name,
-         mgen, salt, admin, sig) = struct.unpack_from(HEAD_FMT, data, 0)
+         mgen, key_epoch, salt, admin, sig) = struct.unpack_from(HEAD_FMT, data, 0)
         if block != BLOCK or page_size % BLOCK or page_size == 0 or n_areas > MAX_AREAS \
                 or dev_idx >= dev_count or data_off % BLOCK:
             raise CorruptPage("superblock: field out of range")
@@ -203,8 +240,33 @@ class Superblock:
                 raise CorruptPage(f"superblock: area {i} has unknown flags {flags:#x}")
             areas.append(Area(_text(sname), off, count, flags, b"" if key == bytes(KEY_BYTES) else key,
                               _text(sync), cgen))
+        epochs = []
+        for i in range(EPOCH_SLOTS):
+            ns, epoch = struct.unpack_from(EPOCH_FMT, data, EPOCH_TABLE_OFFSET + i * EPOCH_SIZE)
+            if ns.strip(b"\0") or epoch:
+                if not ns.strip(b"\0") or not epoch:
+                    raise CorruptPage(f"superblock: epoch entry {i} is half empty")
+                epochs.append((_text(ns), epoch))
+        if (key_epoch or epochs) and version != SUPERBLOCK_VERSION_EPOCHS:
+            raise CorruptPage(f"superblock: key epochs in a version {version} superblock")
         return cls(uuid, _text(name), gen, page_size, dev_size, dev_idx, dev_count, tuple(areas), data_off,
-                   mgen, salt, admin, sig)
+                   mgen, salt, admin, sig, key_epoch, tuple(epochs))
+
+
+def bump_epochs(key_epoch: int, epochs: tuple[tuple[str, int], ...], namespaces: Sequence[str] | None
+                ) -> tuple[int, tuple[tuple[str, int], ...], bool]:
+    """The key epochs after invalidating ``namespaces`` (``None``: every key space). Returns
+    ``(key_epoch, epochs, everyone)``; ``everyone`` is True when every key space moved, asked
+    for or because the table has no room for another namespace (then the store-wide epoch
+    grows and the table is cleared: more misses, never a page served from before)."""
+    if namespaces is None:
+        return key_epoch + 1, (), True
+    table = dict(epochs)
+    for ns in namespaces:
+        table[ns] = table.get(ns, 0) + 1
+    if len(table) > EPOCH_SLOTS:
+        return key_epoch + 1, (), True
+    return key_epoch, tuple(sorted(table.items())), False
 
 
 def _fixed(text: str, size: int, what: str) -> bytes:

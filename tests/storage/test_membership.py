@@ -231,3 +231,23 @@ def test_two_tables_at_one_generation_are_a_split_that_a_change_ends(tmp_path: P
     assert any("two changes were written at once" in r for r in m.refused)
     m = change_membership(paths, store_uuid=U, admin=admin, change=lambda a: a)
     assert not m.split and all(sb.areas[2].server == "q" for sb in m.sbs)
+
+
+def test_key_epochs_survive_membership_changes_and_a_split_on_them_is_found(tmp_path: Path) -> None:
+    admin = AdminKey.generate()
+    paths = store(tmp_path, admin)
+    m = change_membership(paths, store_uuid=U, admin=admin, change=lambda a: a,
+                          rekey=lambda e: (e[0], (("team-a", 1),)))
+    assert all((sb.key_epoch, sb.epochs) == (0, (("team-a", 1),)) for sb in m.sbs)
+    old1 = read_superblock(paths[1])
+    m = change_membership(paths, store_uuid=U, admin=admin, change=lambda a: a, rekey=lambda e: (e[0] + 1, ()))
+    write_superblock(paths[1], old1)  # the writer died after device 0: device 1 lags with older epochs
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public)
+    assert m.lagging == (1,) and (m.newest.key_epoch, m.newest.epochs) == (1, ())
+    m = change_membership(paths, store_uuid=U, admin=admin, change=allow_c)  # an allow keeps the newest epochs
+    assert all((sb.key_epoch, sb.epochs) == (1, ()) for sb in m.sbs) and not m.damaged
+    # the same generation with other epochs on one device (two administrators at once) is a split
+    other = admin.sign(dataclasses.replace(read_superblock(paths[1]), key_epoch=5))
+    write_superblock(paths[1], other)
+    m = read_membership(paths, store_uuid=U, admin_key=admin.public)
+    assert m.split == (1,) and (m.newest.key_epoch) == 1

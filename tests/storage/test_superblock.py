@@ -145,3 +145,70 @@ def test_membership_fields_round_trip() -> None:
     assert back.areas[1].public_key == b"" and back.areas[1].spare
     with pytest.raises(ValueError, match="longer than 64 bytes"):
         sb(areas=(Area("a", DATA_OFFSET, 4, 0, pub, "h" * 60 + ":7000"),)).encode()
+
+
+def test_key_epochs_round_trip_in_a_version_3_superblock_and_version_2_stays_without() -> None:
+    from kvstore.storage.superblock import SUPERBLOCK_VERSION, SUPERBLOCK_VERSION_EPOCHS
+
+    plain = sb().encode()
+    assert struct.unpack_from("<I", plain, 8)[0] == SUPERBLOCK_VERSION
+    s = sb(key_epoch=2, epochs=(("team-a", 1), (":default", 3)))
+    data = s.encode()
+    assert struct.unpack_from("<I", data, 8)[0] == SUPERBLOCK_VERSION_EPOCHS
+    assert Superblock.decode(data) == s
+    # the epochs are under the checksum and the signature like every other field
+    signed = ADMIN.sign(s)
+    assert signed.signed_bytes() != ADMIN.sign(dataclasses.replace(s, key_epoch=3)).signed_bytes()
+
+
+def test_epochs_in_a_version_2_block_or_half_empty_entries_are_corrupt() -> None:
+    import xxhash
+
+    from kvstore.storage.superblock import CHECKSUM_OFFSET, EPOCH_TABLE_OFFSET
+
+    def resum(buf: bytearray) -> bytes:
+        struct.pack_into("<Q", buf, CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf[:CHECKSUM_OFFSET])))
+        return bytes(buf)
+
+    v2 = bytearray(sb().encode())
+    struct.pack_into("<Q", v2, 120, 1)  # a key epoch an older writer could not have set
+    with pytest.raises(CorruptPage, match="version 2"):
+        Superblock.decode(resum(v2))
+    v3 = bytearray(sb(key_epoch=1).encode())
+    struct.pack_into("<32sQ", v3, EPOCH_TABLE_OFFSET, b"team-a", 0)
+    with pytest.raises(CorruptPage, match="half empty"):
+        Superblock.decode(resum(v3))
+    with pytest.raises(ValueError, match="at most 6"):
+        sb(epochs=tuple((f"t{i}", 1) for i in range(7))).encode()
+
+
+def test_bump_epochs_never_gives_a_key_space_a_pair_it_had() -> None:
+    from kvstore.storage.superblock import EPOCH_SLOTS, bump_epochs
+
+    seen: dict[str, set[tuple[int, int]]] = {}
+    key_epoch, table = 0, ()
+    names = [f"t{i}" for i in range(EPOCH_SLOTS + 3)]
+
+    def note() -> None:
+        for n in names:
+            pair = (key_epoch, dict(table).get(n, 0))
+            if pair not in seen.setdefault(n, {pair}):
+                assert False, f"{n} was given {pair} again"
+            seen[n].add(pair)
+
+    note()
+    steps = [["t0"], ["t0"], ["t1", "t2"], None, ["t0"]] + [[n] for n in names] + [["t3"], None, ["t4"]]
+    everyone_seen = False
+    for step in steps:
+        before = {n: (key_epoch, dict(table).get(n, 0)) for n in names}
+        key_epoch, table, everyone = bump_epochs(key_epoch, table, step)
+        assert len(table) <= EPOCH_SLOTS
+        everyone_seen |= everyone and step is not None  # the table overflowed
+        moved = {n for n in names if (key_epoch, dict(table).get(n, 0)) != before[n]}
+        assert moved == set(names) if everyone else moved == set(step or ())
+        # a pair once left is never taken again
+        for n in names:
+            pair = (key_epoch, dict(table).get(n, 0))
+            assert pair == before[n] or pair not in seen[n]
+            seen[n].add(pair)
+    assert everyone_seen
