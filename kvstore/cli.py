@@ -615,7 +615,8 @@ def cmd_show(a: argparse.Namespace) -> int:
                for i, s in enumerate(cfg.servers)]
     out = {"store": cfg.name, "uuid": cfg.uuid, "page_size": cfg.page_size, "admin_key": cfg.admin_key,
            "administered_here": admin_key_path(cfg.name, home).exists(),
-           "membership_generation": cfg.membership_gen, "devices": devices, "servers": servers,
+           "membership_generation": cfg.membership_gen, "key_epoch": cfg.key_epoch, "epochs": cfg.epochs,
+           "devices": devices, "servers": servers,
            "namespaces": cfg.namespaces, "quotas": cfg.quotas, "pin_quotas": cfg.pin_quotas,
            "service": dataclasses.asdict(cfg.service), "worker": dataclasses.asdict(cfg.worker)}
     if a.json:
@@ -624,6 +625,9 @@ def cmd_show(a: argparse.Namespace) -> int:
     print(f"store {cfg.name}  uuid {cfg.uuid}  page size {format_size(cfg.page_size)}  membership generation "
           f"{cfg.membership_gen}")
     print(f"  administrator key {cfg.admin_key}" + (" (its private half is here)" if out["administered_here"] else ""))
+    if cfg.key_epoch or cfg.epochs:
+        print(f"  key epoch {cfg.key_epoch}" + "".join(f", {n} {e}" for n, e in sorted(cfg.epochs.items()))
+              + " (pages saved under earlier epochs are never served: 'invalidate')")
     for e in devices:
         if "problem" in e:
             fix = " (run 'mass-ctl kvcache repair " + cfg.name + "' here)" if out["administered_here"] else \

@@ -81,6 +81,8 @@ struct kv_wconn {
     int64_t inflight;
     int64_t *busy;         /* the worker's table: buffers of this lease it reads into or is taking */
     uint64_t keyed[8];     /* BLAKE2b state after the connection's tenant salt (from the service) */
+    uint64_t keyed_prev[8]; /* ... after the salt it replaced (an invalidate), if has_prev */
+    int32_t has_prev;
     int32_t cid;           /* its id in the service's connection table */
     int32_t refused;       /* it posted a record no honest client writes: no more of its reads */
 };

@@ -423,6 +423,15 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
             uint8_t salted[32];
             kv_b2b_256_from(c->keyed, 128, (const uint8_t *)d.d, 32, salted);
             if (memcmp(salted, reg.d, 32) != 0) {
+                if (c->has_prev) {  /* found under the salt an invalidate replaced a moment ago: no
+                                       lie, a page of the old key space, so a miss */
+                    kv_b2b_256_from(c->keyed_prev, 128, (const uint8_t *)d.d, 32, salted);
+                    if (memcmp(salted, reg.d, 32) == 0) {
+                        kv_unslot(w, k);
+                        kv_answer_now(w, ci, d.buf, d.seq, KV_ST_STALE, &d);
+                        continue;
+                    }
+                }
                 kv_unslot(w, k);
                 kv_answer_now(w, ci, d.buf, d.seq, KV_ST_REFUSED, &d);
                 kv_refuse(w, c, &d);

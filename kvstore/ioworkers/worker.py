@@ -177,6 +177,7 @@ class _Conn:
         c.busy = _ptr("int64_t *", busy)
         c.wake = 0
         c.refused = 0
+        c.has_prev = 0
         # its reads are taken once its salt is (a slot reused from another connection holds that one's)
         c.live = 1 if self.salt_seq >= 0 else 0
 
@@ -190,6 +191,9 @@ class _Conn:
         LIB.kv_fence()
         if int(entry["salt_seq"]) != seq:
             return False
+        if self.salt_seq >= 0:  # a record looked up under the salt it replaces is a miss, not a lie
+            FFI.memmove(self.c.keyed_prev, self.c.keyed, FFI.sizeof(self.c.keyed))
+            self.c.has_prev = 1
         LIB.kv_b2b_keyed(self.c.keyed, FFI.from_buffer(salt), 32)
         self.salt_seq = seq
         self.c.live = 1

@@ -84,8 +84,7 @@ class Clients:
         self.handshakes = Handshakes(s)
 
     def turn(self, now: float) -> None:
-        """The tick's work: new tenant salts, handshakes, new connections, gone clients."""
-        self.follow_keys()
+        """The tick's work: handshakes, new connections, gone clients."""
         self.poll()
 
     def follow_keys(self) -> int:

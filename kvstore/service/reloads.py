@@ -151,7 +151,9 @@ class Reloads:
 
     def turn(self, now: float) -> bool:
         """Apply what was read; whether the peers changed (the sync agent must start, or be
-        replaced: it takes its peers and the keys it admits at spawn)."""
+        replaced: it takes its peers and the keys it admits at spawn). The supervisor publishes
+        the generation in force (``config_generation``) once the other parts followed it (new
+        tenant salts: ``Clients.follow_keys``), since ``mass-ctl`` waits for it."""
         peers = False
         for item in self.watcher.take():
             if isinstance(item, RefusedCopies):
@@ -184,7 +186,6 @@ class Reloads:
                            key_epoch=new.key_epoch, epochs=new.epochs)
         if new.servers == old.servers:
             st.cfg = new  # this machine's settings changed, or nothing that concerns us
-            st.stats.set("config_generation", new.membership_gen)
             return False
         if [[a.slot_count for a in sb.areas] for sb in m.sbs] != st.smap.counts:
             raise ValueError("the devices' area layout changed: restart the service")
@@ -214,7 +215,6 @@ class Reloads:
         st.sbs = m.sbs
         st.stats.add("areas_dropped", dropped)
         st.stats.add("config_reloads")
-        st.stats.set("config_generation", new.membership_gen)
         return True
 
     def close(self) -> None:

@@ -200,6 +200,8 @@ class Supervisor:
                     self._start_sync()
             except (ValueError, KVStoreError, OSError) as e:  # the service serves on as it was
                 self.log.warning("store config changed but was not applied", error=str(e))
+        p["clients"].follow_keys()  # before any request is served under an invalidated salt
+        st.stats.set("config_generation", st.cfg.membership_gen)  # what mass-ctl waits for
         st.turn(now)
         p["gauges"].turn(now)
 

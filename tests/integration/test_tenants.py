@@ -193,3 +193,79 @@ def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, servi
     reply = msgpack.unpackb(data[4:])
     assert reply["ok"] is False and reply["kind"] == "tenant", reply
     assert "uid 65534 may not use tenant 'alpha'" in reply["error"]
+
+
+def _ctl(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", "kvcache", *args], env=dict(os.environ, MASS_HOME=str(home)),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_invalidate_ends_a_key_space_for_every_connection_at_once_and_only_that_one(
+        home: Path, file_devices: Any, services: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mass-ctl kvcache invalidate``: after it returns, no page saved before in the named
+    tenant's key space is a hit, through the client's own lookup, a direct read, or the
+    service; not for clients connected before it either, not even one that keeps the old
+    salt (the workers and the service salt with their own); other key spaces keep theirs."""
+    from kvstore.digests import key_digests
+    from kvstore.shm.segment import Segment
+    from kvstore.shm.stats import StatsBlock
+
+    (dev,) = file_devices.make(1, (1 << 20) + 200 * (4096 + PS))
+    save_store(trusting(make_store(home, "t", [dev], PS), namespaces={"alice": "team", "bob": "team"}), home)
+    svc = services(home, "t")
+    keys = [b"weights-v1/%d" % i for i in range(8)]
+    pages = [page_bytes(k, PS) for k in keys]
+    with KVCacheClient.connect("t", home=home, tenant="alice") as a, \
+            KVCacheClient.connect("t", home=home, tenant="bob") as b, \
+            KVCacheClient.connect("t", home=home, tenant="carol") as c, \
+            KVCacheClient.connect("t", home=home) as d:
+        for cl in (a, c, d):
+            assert cl.put(keys, pages, wait=True).stored == 8
+        assert b.lookup(keys) == 8  # bob shares alice's key space
+        stale = b._tenant_salt()
+        r = _ctl(home, "invalidate", "t", "--tenant", "bob")
+        assert r.returncode == 0, r.stderr
+        assert "key space(s) team" in r.stdout and "applied by the running service(s) here: local" in r.stdout
+        # applied before the command returned: the team's old pages are misses on every path
+        for cl in (a, b):
+            assert cl.lookup(keys) == 0 and cl.contains(keys) == [False] * 8
+            with cl.get(keys) as v:
+                assert v.hits == 0
+            assert cl._lookup_service(key_digests(keys)[0], 10.0)[0] == 0  # the service's own salt moved
+        # a client that ignores the new salt finds the old slots in the index; the worker refuses to read them
+        monkeypatch.setattr(b, "_tenant_salt", lambda: stale)
+        assert b.lookup(keys) == 8
+        with b.get(keys) as v:
+            assert v.hits == 0
+        monkeypatch.undo()
+        # the other key spaces are untouched
+        for cl in (c, d):
+            assert cl.lookup(keys) == 8
+            with cl.get(keys) as v:
+                assert [bytes(x) for x in v] == [p.tobytes() for p in pages]
+        # the team writes again: nothing is skipped as present, and it reads what it wrote
+        assert a.put(keys, [bytes(PS)] * 8, wait=True).stored == 8
+        with b.get(keys) as v:
+            assert [bytes(x) for x in v] == [bytes(PS)] * 8
+    seg = Segment.attach(svc.prefix + "stats")
+    try:
+        assert StatsBlock.attach(seg.buf).snapshot().service.salts_changed == 2  # alice's and bob's
+    finally:
+        seg.close()
+    with KVCacheClient.connect("t", home=home, tenant="alice") as a:  # a new connection: the new salt at hello
+        assert a.lookup(keys) == 8
+    assert load_store("t", home).epochs == {"team": 1}
+    # --all: every key space, including the default tenant's
+    r = _ctl(home, "invalidate", "t", "--all")
+    assert r.returncode == 0 and "every tenant's pages" in r.stdout, r.stderr
+    for tenant in ("alice", "carol", ""):
+        with KVCacheClient.connect("t", home=home, tenant=tenant) as cl:
+            assert cl.lookup(keys) == 0
+    st = load_store("t", home)
+    assert (st.key_epoch, st.epochs) == (1, {})
+    bad = _ctl(home, "invalidate", "t")
+    assert bad.returncode == 2 and "--tenant" in bad.stderr
+    shown = _ctl(home, "show", "t")
+    assert shown.returncode == 0 and "key epoch 1 (pages saved under earlier epochs" in shown.stdout
