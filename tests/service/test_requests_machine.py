@@ -56,6 +56,7 @@ class RequestsMachine(RuleBasedStateMachine):
         self.ok_reads: set[bytes] = set()             # keys whose read completed valid
         self.ok_writes: set[bytes] = set()            # keys whose write completed
         self.stored: set[bytes] = set()               # answered stored, not distrusted since
+        self.dropped: set[bytes] = set()              # dropped by a failed read since their last write
         # three keys stored at the start, so that most gets read from the (fake) device
         self.post(KEYS[:3], True)
         self.drain()
@@ -127,7 +128,8 @@ class RequestsMachine(RuleBasedStateMachine):
                     assert r in (P.R_STORED, P.R_SKIPPED, P.R_DROPPED)
                     if r == P.R_STORED:
                         assert k in self.ok_writes, "stored without a completed write of its digest"
-                        self.stored.add(k)
+                        if k not in self.dropped:
+                            self.stored.add(k)
                     assert state == A.FREE
                     self.free_bufs.add(b)
                 else:
@@ -165,10 +167,12 @@ class RequestsMachine(RuleBasedStateMachine):
         if int(rec["op"][0]) == OP_WRITE:
             valid = True  # a write completes; lies are a reader's problem
             self.ok_writes.add(key)
+            self.dropped.discard(key)
         elif valid:
             self.ok_reads.add(key)
         elif int(self.svc.st.slots["gen"][self._gid_of(rec)]) == int(rec["gen"][0]):
             self.stored.discard(key)  # the device lied about the slot the index names: dropped
+            self.dropped.add(key)  # also when the put that stored it is answered only after this
         self.svc.worker_completes(rec, ST_OK if valid else ST_BAD_CHECKSUM)
 
     def _gid_of(self, rec: np.ndarray[Any, Any]) -> int:
