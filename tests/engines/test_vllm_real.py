@@ -152,6 +152,34 @@ def test_server_b_loads_every_stored_prefix_with_identical_tokens(cluster: Clust
     assert cluster.stats("b").pages_read - before == sum(whole(p) // PAGE_TOKENS for p in PROMPTS)
 
 
+def test_an_invalidate_reaches_a_running_engine_before_the_command_returns(cluster: Cluster) -> None:
+    """``mass-ctl kvcache invalidate`` of the default tenant (the connector's) while a vLLM runs on b:
+    the prompt it has just loaded from the store is, after the command returned, computed again
+    (nothing loaded: its connections took the new salt from the service), with the same tokens, and
+    saved again under the new key space."""
+    base = cluster.baseline  # type: ignore[attr-defined]
+    pause = cluster.root / "pause-invalidate"
+    n = whole(P_MID) // PAGE_TOKENS
+    read0, written0 = cluster.stats("b").pages_read, cluster.stats("b").pages_written
+    proc = cluster.start([P_MID, P_MID], "--store", "v", "--server", "b", "--no-prefix-cache", "--pause-before",
+                         "1", "--pause-file", str(pause), name="invalidate")
+    try:
+        assert wait_for(lambda: Path(str(pause) + ".ready").exists() or proc.poll() is not None, 400, 0.2)
+        assert proc.poll() is None, (cluster.root / "invalidate.log").read_text()[-4000:]
+        assert cluster.stats("b").pages_read - read0 == n  # the first P_MID came from the store
+        r = subprocess.run([sys.executable, "-m", "kvstore.cli", "kvcache", "invalidate", "v", "--tenant", ""],
+                           env={**os.environ, "MASS_HOME": str(cluster.home)}, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "applied by the running service(s) here: a, b" in r.stdout, r.stdout + r.stderr
+    finally:
+        pause.touch()
+    got = cluster.result(proc, "invalidate")
+    assert [r["tokens"] for r in got] == [base[1]["tokens"]] * 2
+    assert [r["cached_tokens"] for r in got] == [whole(P_MID), 0]
+    assert cluster.stats("b").pages_read - read0 == n
+    assert wait_for(lambda: cluster.stats("b").pages_written - written0 == n, 60), cluster.stats("b").pages_written
+
+
 def _corrupt_every_page(dev: str) -> int:
     sb = read_superblock(dev)
     n = 0
