@@ -183,6 +183,15 @@ def test_allow_and_deny_without_running_services(env_home: Path, capsys: pytest.
     assert lst[0]["servers"] == ["x", "y"] and lst[0]["denied"] == ["x"]
     assert "x (denied)" in run(env_home, "kvcache", "list").stdout
     assert "DENIED" in run(env_home, "kvcache", "show", "s").stdout
+    # invalidate: a tenant's key space (and what a bad call gets)
+    assert main(["kvcache", "invalidate", "s", "--tenant", "t1", "--tenant", ""]) == 0
+    out = capsys.readouterr().out
+    assert "invalidated the pages of key space(s) :default, t1 on store s: key epoch 0, namespace epochs " \
+        ":default=1, t1=1" in out
+    assert load_store("s").epochs == {":default": 1, "t1": 1} and load_store("s").key_epoch == 0
+    assert main(["kvcache", "invalidate", "s", "--tenant", "Bad Name"]) == 2
+    assert "tenant name" in capsys.readouterr().err
+    assert main(["kvcache", "invalidate", "s", "--all", "--tenant", "t1"]) == 2
     # the single allowed server is picked by connect; the denied one is refused
     r = run(env_home, "kvcache", "connect", "s", "--server", "x")
     assert r.returncode == 4 and "was denied" in r.stderr
@@ -190,6 +199,8 @@ def test_allow_and_deny_without_running_services(env_home: Path, capsys: pytest.
     sign = env_home / "keys" / "s" / "admin.sign"
     sign.rename(sign.with_suffix(".away"))
     assert main(["kvcache", "allow", "s", "z=127.0.0.1:7004"]) == 4
+    assert "no administrator key" in capsys.readouterr().err
+    assert main(["kvcache", "invalidate", "s", "--all"]) == 4
     assert "no administrator key" in capsys.readouterr().err
     # a key that is not the one the store trusts is refused too
     from kvstore.storage.membership import AdminKey
@@ -228,11 +239,11 @@ def test_connect_refuses_mismatched_devices_and_unknown_stores(env_home: Path) -
     out, err = p.communicate(timeout=120)
     assert out.startswith("store s2") and "Traceback" not in err and "BrokenPipe" not in err, err
     for sub in (["dashboard", "nope"], ["disconnect", "nope"], ["allow", "nope", "x"], ["deny", "nope", "x"],
-                ["repair", "nope"], ["show", "nope"], ["status", "nope", "--watch", "--count", "1"]):
+                ["repair", "nope"], ["invalidate", "nope", "--all"], ["show", "nope"], ["status", "nope", "--watch", "--count", "1"]):
         r = run(env_home, "kvcache", *sub)
         assert r.returncode == 3 and "store 'nope' not found" in r.stderr, sub
     # every subcommand explains itself
-    for sub in ("create", "connect", "allow", "deny", "repair", "keygen", "status", "dashboard", "list", "show",
+    for sub in ("create", "connect", "allow", "deny", "invalidate", "repair", "keygen", "status", "dashboard", "list", "show",
                 "disconnect", "quickstart"):
         r = run(env_home, "kvcache", sub, "--help")
         assert r.returncode == 0 and "usage: mass-ctl kvcache " + sub in r.stdout, sub
