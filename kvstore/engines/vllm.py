@@ -78,9 +78,13 @@ What it does (logic in ``vllm_mapping.py``):
 * Tensor parallelism: each rank saves and loads its own heads under its own
   key (``rank_key``), derived from the scheduler's.
 * Hybrid models (several KV cache groups) are not supported: the connector
-  does not implement ``SupportsHMA``, so vLLM turns its hybrid allocator off;
-  a model that still needs several groups is refused at start, and so is a
-  cache type other than full or sliding-window attention.
+  does not implement ``SupportsHMA``, so vLLM turns its hybrid allocator off
+  (sliding + full attention models such as Gemma 3 run, with fewer KV tokens);
+  a model with Mamba or linear-attention state, which needs that allocator, is
+  refused by the connector at engine start with the reason (``refuse_model``,
+  from ``get_required_kvcache_layout``, which vLLM calls before it lays out the
+  KV cache and would fail with its own error), and so is a cache type other
+  than full or sliding-window attention.
 """
 
 from __future__ import annotations
@@ -178,6 +182,24 @@ class KVStoreConnectorPromMetrics(KVConnectorPromMetrics):
                 self.counters[k][engine_idx].inc(v)
 
 
+def refuse_model(vllm_config: Any) -> None:
+    """Raise ``ValueError`` with the reason for a model the connector cannot serve: one whose
+    per-request state is not only attention KV (Mamba or linear-attention layers: vLLM's
+    hybrid state models, which need its hybrid KV cache manager), or one with no attention."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return
+    name = getattr(mc, "served_model_name", None) or getattr(mc, "model", "this model")
+    if getattr(mc, "is_attention_free", False):
+        raise ValueError(f"kvstore connector: {name} has no attention KV cache (an attention-free model): there is "
+                         "nothing for the connector to save or load; run it without --kv-transfer-config")
+    if getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False):
+        raise ValueError(f"kvstore connector: {name} keeps Mamba or linear-attention state besides its attention KV "
+                         "(a hybrid model). The connector saves and loads attention KV pages only and does not "
+                         "implement vLLM's SupportsHMA, so vLLM turns off the hybrid KV cache manager that this "
+                         "model needs; run it without --kv-transfer-config")
+
+
 def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any]:
     """The backend name and attention spec of the caches vLLM will register (both roles agree)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -216,6 +238,14 @@ class KVStoreConnector(KVConnectorBase_V1):
     # vLLM's prefix-cache hit counters by source: the store is a storage tier (vLLM has no
     # "storage" label; "disk" is its tier below host memory)
     _cache_hit_source = CacheHitSource.DISK
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """No layout of its own; vLLM asks while it builds the model, before it lays out the KV cache,
+        which is where a model the connector cannot serve is refused with the reason (vLLM's own
+        error comes later and does not name the connector)."""
+        refuse_model(vllm_config)
+        return None
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
