@@ -369,7 +369,8 @@ def make_tiny_hybrid(path: Path, *, vocab: int = 1024, seed: int = 0) -> Path:
                                  layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8,
                                  mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=64,
                                  position_embedding_type="rope")
-    GraniteMoeHybridForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model: Any = GraniteMoeHybridForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
     _save_word_tokenizer(path, vocab)
     return path
 
