@@ -374,9 +374,11 @@ class Invalidated:
     """Every key space moved: asked for, or the epoch table had no room for another namespace."""
 
 
-def invalidate(home: Path, cfg: StoreConfig, tenants: Sequence[str] | None) -> Invalidated:
-    """Invalidate the pages of ``tenants`` (their key spaces, see ``StoreConfig.namespace_of``;
-    "" is the default tenant) or, with ``None``, of every tenant, in O(1): the key epochs on
+def invalidate(home: Path, cfg: StoreConfig, tenants: Sequence[str] | None, namespaces: Sequence[str] = ()
+               ) -> Invalidated:
+    """Invalidate the pages of ``tenants`` (their key spaces as this machine's ``[namespaces]``
+    maps them, see ``StoreConfig.namespace_of``; "" is the default tenant) and of the key spaces
+    ``namespaces`` named directly, or, with ``tenants`` None, of every tenant, in O(1): the key epochs on
     every device move on (signed, the next membership generation) and every tenant salt of
     those key spaces changes, so no digest of a page saved before is ever asked for again.
     Running services apply it at their next superblock poll; their clients' next lookup uses
@@ -385,11 +387,13 @@ def invalidate(home: Path, cfg: StoreConfig, tenants: Sequence[str] | None) -> I
     Raises:
         NotAllowed: no administrator key here. ValueError: a bad tenant name, or none given.
     """
-    if tenants is not None and not tenants:
-        raise ValueError("name the tenants to invalidate (--tenant NAME, '' for the default tenant) or all")
+    if tenants is not None and not tenants and not namespaces:
+        raise ValueError("name the tenants to invalidate (--tenant NAME, '' for the default tenant), key spaces "
+                         "(--namespace NAME) or all")
     with admin_lock(cfg.name, home):
         cfg = load_store(cfg.name, home, torn_ok=True)
-        names = None if tenants is None else tuple(sorted({cfg.namespace_of(t) for t in tenants}))
+        names = None if tenants is None else tuple(sorted({cfg.namespace_of(t) for t in tenants}
+                                                          | {check_name(n, "namespace") for n in namespaces}))
         admin = _admin(cfg, home)
         everyone = False
 

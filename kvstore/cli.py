@@ -184,10 +184,11 @@ def _warn_ports(names: list[str], cfg: StoreConfig) -> None:
         print(f"mass-ctl: warning: {w}", file=sys.stderr)
 
 
-def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float) -> bool:
+def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float, *, stop_applies: bool = True) -> bool:
     """SIGHUP this machine's services of ``cfg`` (they re-read the superblocks now instead of at
-    their next poll), wait until each runs with membership ``generation`` (a denied server's
-    service stops instead) and say which did; returns True if some did not in time."""
+    their next poll), wait until each runs with membership ``generation`` (with ``stop_applies``,
+    a service that stopped counts too: a denied server's does) and say which did; returns True
+    if some did not in time."""
     from .tui.source import read_service
 
     pids = {s.name: _running(cfg.name, s.name, home) for s in cfg.servers}
@@ -198,21 +199,28 @@ def _tell_running(cfg: StoreConfig, home: Path, generation: int, timeout: float)
         except ProcessLookupError:
             pass
     applied: list[str] = []
+    stopped: list[str] = []
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         for n in list(pending):
             e = read_service(home, cfg.name, n)
             # stopped (a denied server does), or running with the new membership
-            if not e["running"] or (e["stats"] and e["stats"]["service"]["config_generation"] >= generation):
+            if e["running"] and e["stats"] and e["stats"]["service"]["config_generation"] >= generation:
                 applied.append(n)
+                pending.remove(n)
+            elif not e["running"]:
+                (applied if stop_applies else stopped).append(n)
                 pending.remove(n)
         time.sleep(0.05)
     if applied:
         print(f"applied by the running service(s) here: {', '.join(sorted(applied))}")
+    if stopped:
+        _err(f"stopped before it was seen to apply it: {', '.join(sorted(stopped))} (it applies it when it "
+             "starts again; see its log for why it stopped)")
     if pending:
         _err(f"not yet applied by: {', '.join(sorted(pending))} (they poll the superblocks every "
              f"{MEMBERSHIP_POLL_S:g} s; see their logs)")
-    return bool(pending)
+    return bool(pending or stopped)
 
 
 def cmd_allow(a: argparse.Namespace) -> int:
@@ -253,14 +261,21 @@ def cmd_deny(a: argparse.Namespace) -> int:
 
 def cmd_invalidate(a: argparse.Namespace) -> int:
     from .admin import invalidate
+    from .storage.superblock import EPOCH_SLOTS
 
     home = mass_home()
-    if bool(a.all) == (a.tenant is not None):
+    named = a.tenant is not None or a.namespace is not None
+    if bool(a.all) == named:
         _err("name the tenants whose pages to invalidate (--tenant NAME, repeatable; --tenant '' for the "
-             "default tenant) or --all")
+             "default tenant), their key spaces (--namespace NAME) or --all")
         return EXIT_USAGE
     cfg = load_store(a.store, home, torn_ok=True)
-    done = invalidate(home, cfg, None if a.all else a.tenant)
+    for t in a.tenant or []:
+        if t and t not in cfg.tenants and t not in cfg.namespaces:
+            print(f"mass-ctl: warning: tenant {t!r} is in neither [tenants] nor [namespaces] of this machine's "
+                  f"config: its own key space is invalidated (check the name: each takes one of the superblock's "
+                  f"{EPOCH_SLOTS} epoch places)", file=sys.stderr)
+    done = invalidate(home, cfg, None if a.all else a.tenant or [], a.namespace or [])
     new = done.cfg
     what = "every tenant's pages" if done.everyone else \
         "the pages of key space(s) " + ", ".join(done.namespaces)
@@ -270,7 +285,7 @@ def cmd_invalidate(a: argparse.Namespace) -> int:
     if done.everyone and not a.all:
         print("the superblock's epoch table was full, so every tenant's key space moved (more misses, never "
               "an old page)")
-    late = _tell_running(new, home, new.membership_gen, a.timeout)
+    late = _tell_running(new, home, new.membership_gen, a.timeout, stop_applies=False)
     print(f"no page saved before is served by a service that applied it; every machine serving the store "
           f"applies it from the devices within {MEMBERSHIP_POLL_S:g} s. Routers that hash with a tenant salt "
           "need the new one")
@@ -788,11 +803,14 @@ def build_parser() -> argparse.ArgumentParser:
                                   "epoch, signed on every device's superblock. No page saved before is looked up, "
                                   "loaded or offered again; its slots are reused as space is needed. Running "
                                   "services apply it from the devices (this machine's at once, and it waits for "
-                                  "them). Runs where the administrator key is. The superblock names up to 6 "
-                                  "namespaces; invalidating a 7th moves every key space.")
+                                  "them). Runs where the administrator key is. Tenants are mapped to key spaces "
+                                  "by this machine's [namespaces], which must be the same on every machine. The "
+                                  "superblock names up to 6 key spaces; invalidating a 7th moves every one.")
     c.add_argument("store")
     c.add_argument("--tenant", action="append", metavar="NAME",
                    help="a tenant whose pages to invalidate (repeatable; '' is the default tenant)")
+    c.add_argument("--namespace", action="append", metavar="NAME",
+                   help="a key space to invalidate by name (a shared namespace of [namespaces], or a tenant's own)")
     c.add_argument("--all", action="store_true", help="invalidate every tenant's pages")
     _wait_option(c)
     c.set_defaults(fn=cmd_invalidate)

@@ -185,18 +185,19 @@ class _Conn:
         """Take the tenant salt the supervisor wrote (``salt_seq``: a seqlock, odd while it
         writes); False when it is being rewritten (look again next turn)."""
         seq = int(entry["salt_seq"])
+        LIB.kv_fence()  # the salt is read after the seq (seqlock)
         if seq & 1:
             return False
         salt = entry["salt"].tobytes()
         LIB.kv_fence()
         if int(entry["salt_seq"]) != seq:
             return False
-        if self.salt_seq >= 0:  # a record looked up under the salt it replaces is a miss, not a lie
+        if self.salt_seq >= 0:  # a record looked up under the salt it replaces (the last one this worker
+            # held) is a miss, not a lie
             FFI.memmove(self.c.keyed_prev, self.c.keyed, FFI.sizeof(self.c.keyed))
             self.c.has_prev = 1
         LIB.kv_b2b_keyed(self.c.keyed, FFI.from_buffer(salt), 32)
         self.salt_seq = seq
-        self.c.live = 1
         return True
 
     def close(self) -> None:
@@ -348,7 +349,11 @@ class Worker:
         if salts != self._salts_seen:  # an administrator moved a tenant's key space: new salts
             seqs = np.frombuffer(salts, dtype="<u8")
             stale = [conn for cid, conn in self.conns.items() if conn.salt_seq != int(seqs[cid])]
-            if all([conn.rekey(t[conn.cid]) for conn in stale]):
+            keyed = [conn.rekey(t[conn.cid]) for conn in stale]
+            for conn, ok in zip(stale, keyed):
+                if ok and not conn.c.refused:
+                    conn.c.live = 1  # served from here on (a new one waited for its first salt)
+            if all(keyed):
                 self._salts_seen = salts
         raw = t["gen"].tobytes()  # a cheap look each loop turn; most turns nothing changed
         if raw == self._gens_seen:

@@ -2,8 +2,8 @@
 
 Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)::
 
-    client -> service  {"v": 4, "op": "hello", "tenant": str}
-    service -> client  {"v": 4, "ok": true, "client_id": int, "page_size": int,
+    client -> service  {"v": 5, "op": "hello", "tenant": str}
+    service -> client  {"v": 5, "ok": true, "client_id": int, "page_size": int,
                         "max_batch": int, "lease_start": int, "lease_count": int,
                         "control": str, "slots": int, "salt": bytes,
                         "segment": str, "states_offset": int, "buffers_offset": int,
@@ -11,7 +11,7 @@ Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)
                         "service_pid": int, "store": str, "server": str, "tenant": str}
                        with two file descriptors (SCM_RIGHTS): the connection segment
                        and the read end of the client's wake-up
-                   or  {"v": 4, "ok": false, "error": str, "kind": str}
+                   or  {"v": 5, "ok": false, "error": str, "kind": str}
 
 ``slots`` gives the control segment's layout (shm/control.py), which the client maps
 read-only to answer lookups itself from the key index; ``salt`` is the granted tenant's
@@ -58,7 +58,8 @@ Connection segment layout (``ClientChannel``)::
                  the connection's current tenant salt (32 bytes). The service rewrites it when
                  an administrator moves the tenant's key space (``mass-ctl kvcache invalidate``);
                  the client takes the salt for its own lookups when ``seq`` changed (a seqlock).
-                 The client could write it too, and would only mislead its own lookups.
+                 The client could write it too, and would only mislead its own lookups: the
+                 service never reads it back (it counts ``seq`` in its own record).
 
 Direct reads (gets that bypass the supervisor; see client.py ``_get_direct``): the client
 finds the slot in the shared index, notes it in ``pins`` (its own bookkeeping: the service
@@ -109,7 +110,7 @@ import numpy as np
 from .._native.lib import FFI, LIB
 from ..shm.ring import Ring
 
-VERSION = 4  # 4: wake-ups are FIFOs, the client's sent as a second descriptor
+VERSION = 5  # 4: wake-ups are FIFOs, the client's sent as a second descriptor; 5: the channel's keyspace
 MAX_FRAME = 1 << 16
 HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
 LISTEN_BACKLOG = 1024    # connections the kernel queues for accept (capped by net.core.somaxconn)
@@ -287,13 +288,14 @@ class ClientChannel:
         self._kseq = FFI.cast("uint64_t *", base + o)
         self._ksalt = np.frombuffer(buf, dtype=np.uint8, count=32, offset=o + 8)
 
-    def publish_salt(self, salt: bytes) -> None:
-        """Service: the connection's tenant salt changed (a seqlock: odd while written)."""
-        seq = int(LIB.kv_load_acquire_u64(self._kseq))
-        LIB.kv_store_release_u64(self._kseq, seq | 1)
+    def publish_salt(self, salt: bytes, seq: int) -> None:
+        """Service: the connection's tenant salt changed; ``seq`` (even, the service's own count:
+        the word here is the client's to scribble on, never read back) is published after the
+        salt, ``seq - 1`` (odd) while it is written."""
+        LIB.kv_store_release_u64(self._kseq, seq - 1)
         LIB.kv_fence()
         self._ksalt[:] = np.frombuffer(salt, dtype=np.uint8)
-        LIB.kv_store_release_u64(self._kseq, (seq | 1) + 1)
+        LIB.kv_store_release_u64(self._kseq, seq)
 
     def salt_seq(self) -> int:
         """Client: the keyspace word (0 until the service first changes the salt)."""

@@ -317,6 +317,14 @@ class Allocator:
         self.sticky[gid] -= 1
         return True
 
+    def unpin_tenant(self, tenant: int) -> int:
+        """Drop every pin of ``tenant`` (its key space moved: those pages are never asked for
+        again, and their keys no longer name them for an unpin); returns how many."""
+        pins = self.pinned_by.pop(tenant, set())
+        for gid in pins:
+            self.sticky[gid] -= 1
+        return len(pins)
+
     def statistics(self) -> AllocatorStatistics:
         """Own slots, free, quarantined, pinned."""
         return AllocatorStatistics(sum(len(r) for r in self.own), sum(len(f) for f in self.free),

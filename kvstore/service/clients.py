@@ -57,6 +57,8 @@ class Clients:
         self.conns: dict[int, Conn] = {}
         self.tenant_ids: dict[str, int] = {}
         """Tenant name -> the small id the allocator counts slots and pins under."""
+        self.tenant_salts: dict[str, bytes] = {}
+        """Tenant name -> the salt its pins were made under (``follow_keys`` drops them when it moves)."""
         self.generation = 0
         self._keyspace = st.keyspace
         self.lsock: socket.socket | None = None
@@ -89,33 +91,46 @@ class Clients:
 
     def follow_keys(self) -> int:
         """After the key spaces moved (``st.keyspace``: an ``invalidate``, or this machine's
-        namespaces edited): give each connection whose tenant salt changed the new one, in
-        the service's own record (gets, puts, pins), in every worker's table (direct reads;
-        a seqlock) and in the connection's channel (the client's own lookups). Returns how
-        many connections changed."""
+        namespaces edited): drop the pins of every tenant whose salt changed (their pages are
+        never asked for again, and their keys would not name them for an unpin), and give each
+        connection of such a tenant the new salt, in the service's own record (gets, puts,
+        pins), in every worker's table (direct reads; a seqlock) and in the connection's
+        channel (the client's own lookups). Returns how many connections changed."""
         if self._keyspace == self.st.keyspace:
             return 0
         self._keyspace = self.st.keyspace
-        cfg, n = self.st.cfg, 0
-        for conn in self.conns.values():
+        cfg, n, unpinned = self.st.cfg, 0, 0
+        for tenant, tid in self.tenant_ids.items():
+            salt = cfg.tenant_salt(tenant)
+            if self.tenant_salts.get(tenant) != salt:
+                self.tenant_salts[tenant] = salt
+                unpinned += self.st.alloc.unpin_tenant(tid)
+        for conn in list(self.conns.values()):
             salt = cfg.tenant_salt(conn.tenant)
             if salt == conn.salt or conn.dropped:
                 continue
-            conn.salt = salt
-            for w in self.workers:
-                t = w.rings.conns
-                seq = int(t["salt_seq"][conn.id]) | 1
-                t["salt_seq"][conn.id] = seq
-                LIB.kv_fence()
-                t["salt"][conn.id] = np.frombuffer(salt, dtype=np.uint8)
-                LIB.kv_fence()
-                t["salt_seq"][conn.id] = seq + 1
-            conn.chan.publish_salt(salt)
-            n += 1
+            try:
+                self._rekey(conn, salt)
+                n += 1
+            except Exception as e:  # never the service's end: that connection ends instead
+                self._unserve(conn)  # no direct read of it under a salt half changed
+                self.refuse(conn.id, conn.generation & 0xFFFFFFFF, f"its salt could not be changed: {e!r}")
         self.stats.add("salts_changed", n)
         self.log.info("key spaces moved: connections given their tenant's new salt", connections=n,
-                      key_epoch=cfg.key_epoch, epochs=cfg.epochs)
+                      pins_dropped=unpinned, key_epoch=cfg.key_epoch, epochs=cfg.epochs)
         return n
+
+    def _rekey(self, conn: Conn, salt: bytes) -> None:
+        conn.salt = salt
+        conn.salt_seq += 2
+        for w in self.workers:
+            t = w.rings.conns
+            t["salt_seq"][conn.id] = conn.salt_seq - 1
+            LIB.kv_fence()
+            t["salt"][conn.id] = np.frombuffer(salt, dtype=np.uint8)
+            LIB.kv_fence()
+            t["salt_seq"][conn.id] = conn.salt_seq
+        conn.chan.publish_salt(salt, conn.salt_seq)
 
     def poll(self) -> None:
         """Advance handshakes, open the connections whose hello is complete, reap gone clients."""
@@ -188,6 +203,7 @@ class Clients:
             raise
         self.generation += 1
         tid = self.tenant_ids.setdefault(tenant, len(self.tenant_ids))
+        self.tenant_salts.setdefault(tenant, salt)
         conn = Conn(cid, s, seg, P.ClientChannel(seg.buf, nb, self.n_devices), wake, wake_name, start, nb, cred,
                     salt, tenant, tid, generation=self.generation)
         conn.chan.pins[:] = -1

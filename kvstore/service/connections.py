@@ -196,6 +196,7 @@ class Conn:
     inuse: set[int] = field(default_factory=set)     # buffers the service holds for this connection
     rejected: int = 0       # requests refused as malformed
     generation: int = 0     # unique per connection in this service run (the workers' connection table)
+    salt_seq: int = 0       # times its salt was rewritten, x2 (the keyspace word it publishes; never read back)
     dropped: bool = False   # forgotten: its segment (and lease) is gone
     counted: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(P.COUNTERS_WORDS, dtype=np.uint64))
     """The client's counters as last added to the stats."""

@@ -213,18 +213,25 @@ def test_invalidate_ends_a_key_space_for_every_connection_at_once_and_only_that_
     from kvstore.shm.stats import StatsBlock
 
     (dev,) = file_devices.make(1, (1 << 20) + 200 * (4096 + PS))
-    save_store(trusting(make_store(home, "t", [dev], PS), namespaces={"alice": "team", "bob": "team"}), home)
+    save_store(trusting(make_store(home, "t", [dev], PS), namespaces={"alice": "team", "bob": "team"},
+                        pin_quotas={"alice": 8}), home)
     svc = services(home, "t")
     keys = [b"weights-v1/%d" % i for i in range(8)]
     pages = [page_bytes(k, PS) for k in keys]
     with KVCacheClient.connect("t", home=home, tenant="alice") as a, \
             KVCacheClient.connect("t", home=home, tenant="bob") as b, \
             KVCacheClient.connect("t", home=home, tenant="carol") as c, \
-            KVCacheClient.connect("t", home=home) as d:
+            KVCacheClient.connect("t", home=home) as d, \
+            KVCacheClient.connect("t", home=home, tenant="mallory") as m:
         for cl in (a, c, d):
             assert cl.put(keys, pages, wait=True).stored == 8
         assert b.lookup(keys) == 8  # bob shares alice's key space
+        assert a.pin(keys) == 8  # alice's whole pin quota, on pages about to be invalidated
         stale = b._tenant_salt()
+        # an adversary scribbles on the keyspace words of its own channel: the service never reads them
+        from kvstore._native.lib import LIB
+
+        LIB.kv_store_release_u64(m._chan._kseq, 2**64 - 1)
         r = _ctl(home, "invalidate", "t", "--tenant", "bob")
         assert r.returncode == 0, r.stderr
         assert "key space(s) team" in r.stdout and "applied by the running service(s) here: local" in r.stdout
@@ -249,22 +256,27 @@ def test_invalidate_ends_a_key_space_for_every_connection_at_once_and_only_that_
         assert a.put(keys, [bytes(PS)] * 8, wait=True).stored == 8
         with b.get(keys) as v:
             assert [bytes(x) for x in v] == [bytes(PS)] * 8
+        # alice's pins on the old pages went with them: her quota pins the new ones
+        assert a.pin(keys) == 8
+        # --all re-keys the adversary's connection too; the service lives on, and the adversary
+        # only misled its own lookups
+        r = _ctl(home, "invalidate", "t", "--all")
+        assert r.returncode == 0 and "applied by the running service(s) here: local" in r.stdout, r.stderr
+        assert m.lookup(keys) == 0 and m.put(keys[:1], pages[:1], wait=True).stored == 1 and m.lookup(keys[:1]) == 1
+        assert a.put(keys, pages, wait=True).stored == 8 and b.lookup(keys) == 8
     seg = Segment.attach(svc.prefix + "stats")
     try:
-        assert StatsBlock.attach(seg.buf).snapshot().service.salts_changed == 2  # alice's and bob's
+        assert StatsBlock.attach(seg.buf).snapshot().service.salts_changed == 2 + 5  # alice and bob; then all five
     finally:
         seg.close()
     with KVCacheClient.connect("t", home=home, tenant="alice") as a:  # a new connection: the new salt at hello
         assert a.lookup(keys) == 8
-    assert load_store("t", home).epochs == {"team": 1}
-    # --all: every key space, including the default tenant's
-    r = _ctl(home, "invalidate", "t", "--all")
-    assert r.returncode == 0 and "every tenant's pages" in r.stdout, r.stderr
-    for tenant in ("alice", "carol", ""):
-        with KVCacheClient.connect("t", home=home, tenant=tenant) as cl:
-            assert cl.lookup(keys) == 0
     st = load_store("t", home)
     assert (st.key_epoch, st.epochs) == (1, {})
+    # --all moved every key space, the default tenant's included
+    for tenant in ("carol", ""):
+        with KVCacheClient.connect("t", home=home, tenant=tenant) as cl:
+            assert cl.lookup(keys) == 0
     bad = _ctl(home, "invalidate", "t")
     assert bad.returncode == 2 and "--tenant" in bad.stderr
     shown = _ctl(home, "show", "t")
