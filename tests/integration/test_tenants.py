@@ -175,6 +175,8 @@ def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, servi
     refused. Its hello says nothing about who it is; the kernel does."""
     import msgpack
 
+    from kvstore.ipc.connection import VERSION
+
     gid = nogroup_or_skip()
     (dev,) = file_devices.make(1, (1 << 20) + 20 * (4096 + PS))
     cfg = make_store(home, "t", [dev], PS)
@@ -182,7 +184,7 @@ def test_another_user_cannot_claim_a_tenant(home: Path, file_devices: Any, servi
                                    tenants={"alpha": ["uid:0"]}), home)
     services(home, "t")
     sock = run_dir("t", home) / "local.sock"
-    hello = msgpack.packb({"v": 4, "op": "hello", "tenant": "alpha"})
+    hello = msgpack.packb({"v": VERSION, "op": "hello", "tenant": "alpha"})
     frame = len(hello).to_bytes(4, "little") + hello
     code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(5); "
             f"s.connect({str(sock)!r}); s.sendall(bytes.fromhex({frame.hex()!r})); "
