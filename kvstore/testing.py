@@ -78,7 +78,12 @@ def free_port(n: int = 1) -> int:
     process are not handed out again.
     """
     lo, hi = ephemeral_port_range()
-    pool = range(10_000, lo - n) if lo - n > 11_000 else range(hi + 1, 65_536 - n)
+    span = range(10_000, lo - n) if lo - n > 11_000 else range(hi + 1, 65_536 - n)
+    # Under pytest-xdist several test processes pick ports at once, each remembering only its own:
+    # each worker (and what it spawns, which inherits its environment) takes blocks of 16 ports of
+    # its own, so two workers never hand out one port.
+    me, workers = _xdist_share()
+    pool = [p for p in span if (p // 16) % workers == me and p % 16 + n <= 16]
     rng = random.SystemRandom()
     for _ in range(1000):
         p = rng.choice(pool)
@@ -96,6 +101,14 @@ def free_port(n: int = 1) -> int:
         _handed_out.update(range(p, p + n))
         return p
     raise OSError("no free ports on 127.0.0.1 outside the ephemeral range")
+
+
+def _xdist_share() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers); (0, 1) outside pytest-xdist."""
+    w, n = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if w.startswith("gw") and w[2:].isdigit() and n.isdigit() and int(n) > 0:
+        return int(w[2:]) % int(n), int(n)
+    return 0, 1
 
 
 def free_port_pair() -> int:

@@ -39,6 +39,19 @@ def _loop_ok() -> str | None:
 LOOP_REASON = _loop_ok()
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default, pyproject.toml): a worker per core, at most 4. The tests wait on
+    services half the time, so two workers on two cores keep them busy; more than 4 would run
+    several real vLLM engines (2-3 GiB each) at once for little gain."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests first (a stable sort): pytest-xdist hands out modules in this order, and the
+    longest ones (the real engines, mypy) started last would leave the other workers idle."""
+    items.sort(key=lambda it: not any(it.get_closest_marker(m) for m in ("vllm", "sglang", "lmcache", "slow")))
+
+
 @pytest.fixture
 def home(tmp_path: Path) -> Iterator[Path]:
     """A fresh MASS_HOME; after the test no shm object of it may remain."""
