@@ -16,7 +16,6 @@ from typing import Any
 from ..crdt.agent import ADDRESS_IN_USE_HINT, EXIT_ADDRESS_IN_USE, AgentParams, Peer, agent_main
 from ..crdt.serverkeys import keypair_for, load_keypair
 from ..errors import NotAllowed
-from ..shm.wake import doorbell_name
 from .runtime import Runtime
 from .state import StoreState
 from .sync import SyncLink
@@ -37,7 +36,7 @@ class AgentProcess:
         (``StoreState.give_up``)."""
         self.st = st
         self.server, self.area, self.home, self.epoch = rt.server, st.area, rt.home, epoch
-        self.smap, self.prefix, self._mp = st.smap, rt.prefix, mp
+        self.smap, self.rt, self._mp = st.smap, rt, mp
         self.stats, self.log, self.sync = st.stats, st.log, sync
         self.resnapshot = resnapshot
         self.proc: Any = None
@@ -68,10 +67,10 @@ class AgentProcess:
             store=cfg.name, server=self.server, area=self.area, epoch=self.epoch, pub=me.endpoints[0],
             router=me.endpoints[1], public_key=public, secret_key=secret, peers=peers,
             counts=tuple(tuple(c) for c in self.smap.counts), page_size=cfg.page_size,
-            sync_segment=self.prefix + "sync", stats_name=self.prefix + "stats", doorbell=doorbell_name(self.prefix),
+            sync_segment=self.rt.name("sync"), stats_name=self.rt.name("stats"), doorbell=self.rt.doorbell,
             flush_interval_s=cfg.sync.flush_interval_s, flush_records=cfg.sync.flush_records,
             heartbeat_s=cfg.sync.heartbeat_s, request_timeout_s=cfg.sync.request_timeout_s,
-            snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.prefix + "peers",
+            snapshot_from=tuple(sorted(self.resnapshot)), peers_board=self.rt.name("peers"),
             start_seq=self.sync.log.next)
         self.proc = self._mp.Process(target=agent_main, args=(params,), daemon=True,
                                      name=f"kvstore-sync-{cfg.name}")

@@ -56,15 +56,6 @@ class ChangeFeed:
         """Hear every change from now on."""
         self._subs.append(sub)
 
-    def unsubscribe(self, sub: Subscriber) -> None:
-        """Stop hearing changes (a publisher that closed)."""
-        self._subs = [s for s in self._subs if s is not sub]
-
-    @property
-    def listened(self) -> bool:
-        """Whether anybody subscribed (work done only for subscribers can be skipped otherwise)."""
-        return bool(self._subs)
-
     def emit(self, kind: str, gids: Any, removed: tuple[bytes, ...] = ()) -> None:
         """Announce one change; ``gids`` are slot ids (any int sequence)."""
         if kind not in KINDS:

@@ -30,7 +30,7 @@ from .._native.lib import LIB
 from ..ipc.iorings import ST_WORKER_LOST
 from ..ipc import lease as A
 from ..shm.segment import Segment
-from ..shm.wake import WakeReader, client_wake_prefix, make_wake, unlink_wake
+from ..shm.wake import WakeReader, make_wake, unlink_wake
 from ..ipc import connection as P
 from .connections import Conn, Handshakes, PeerCred
 from .runtime import Runtime
@@ -47,7 +47,7 @@ class Clients:
         self.arena = st.arena
         self.stats = st.stats
         self.log = st.log
-        self.prefix, self.mode, self.group = rt.prefix, rt.mode, rt.group
+        self.rt, self.mode, self.group = rt, rt.mode, rt.group
         self.sock_path = rt.sock_path
         self.workers = workers
         self.n_devices = len(workers)
@@ -189,10 +189,10 @@ class Clients:
         # whatever the access group: the client gets it as a file descriptor with the answer, so no
         # other process of another user can open it (a fresh segment: every buffer FREE)
         states_off, _buffers_off, size = P.ClientChannel.layout(nb, self.n_devices, self.page_size)
-        seg = Segment.create(self.prefix + f"c{cid}", size, 0o600)
+        seg = Segment.create(self.rt.name(f"c{cid}"), size, 0o600)
         # its wake-up: owner-only, whatever the access group; the client gets the read end with
         # the answer, the service keeps a write end of its own (no open file description shared)
-        wake_name = client_wake_prefix(self.prefix) + str(cid)
+        wake_name = self.rt.client_wake(cid)
         try:
             make_wake(wake_name)
             wake_fd, wake = WakeReader.open_for_client(wake_name)

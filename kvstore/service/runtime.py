@@ -77,12 +77,20 @@ class Runtime:
     def sock_path(self) -> Path:
         return self.rundir / f"{self.server}.sock"
 
+    def name(self, what: str) -> str:
+        """The shm name of this run's segment ``what`` (``control``, ``stats``, ``sync``, ...)."""
+        return self.prefix + what
+
     @property
     def doorbell(self) -> str:
         return doorbell_name(self.prefix)
 
     def worker_wake(self, device: int) -> str:
         return worker_wake_name(self.prefix, device)
+
+    def client_wake(self, cid: int) -> str:
+        """The wake-up of client connection ``cid`` (the workers' ``wake_prefix`` + cid)."""
+        return client_wake_prefix(self.prefix) + str(cid)
 
     # ---- modes: who may map what (docs/SECURITY.md "Who maps what") ---------------------------
     @property
@@ -102,10 +110,10 @@ class Runtime:
         mode = self.mode if mode is None else mode
         if self.anonymous:
             seg = Segment.__new__(Segment)
-            seg.name, seg.size, seg.owner = self.prefix + what, size, False
+            seg.name, seg.size, seg.owner = self.name(what), size, False
             seg.buf = mmap.mmap(-1, size)
         else:
-            seg = Segment.create(self.prefix + what, size, mode, self.group if mode & 0o070 else None)
+            seg = Segment.create(self.name(what), size, mode, self.group if mode & 0o070 else None)
         self.segments.append(seg)
         return seg
 
@@ -129,9 +137,9 @@ class Runtime:
     def hello(self, st: StoreState, worker_wakes: list[str]) -> dict[str, Any]:
         """The fields every accepted hello carries (``Clients`` adds the connection's own)."""
         cfg = st.cfg
-        return {"page_size": cfg.page_size, "control": self.prefix + "control", "doorbell": self.doorbell,
+        return {"page_size": cfg.page_size, "control": self.name("control"), "doorbell": self.doorbell,
                 "service_pid": os.getpid(), "store": cfg.name, "server": self.server,
-                "stats": self.prefix + "stats", "slots": st.smap.total, "max_clients": cfg.service.max_clients,
+                "stats": self.name("stats"), "slots": st.smap.total, "max_clients": cfg.service.max_clients,
                 "workers": list(worker_wakes), "areas": [list(c) for c in st.smap.counts]}
 
     def worker_params(self, st: StoreState, device: int, path: str) -> WorkerParams:
@@ -140,12 +148,12 @@ class Runtime:
         sb = st.sbs[device]
         return WorkerParams(
             device_path=path, device_index=device, store_uuid=cfg.uuid_bytes, page_size=cfg.page_size,
-            control_name=self.prefix + "control", lease_buffers=cfg.service.client_buffers,
-            worker_segment=self.prefix + f"w{device}",
-            stats_name=self.prefix + "stats", doorbell=self.doorbell, wakeup=self.worker_wake(device),
+            control_name=self.name("control"), lease_buffers=cfg.service.client_buffers,
+            worker_segment=self.name(f"w{device}"),
+            stats_name=self.name("stats"), doorbell=self.doorbell, wakeup=self.worker_wake(device),
             read_depth=cfg.worker.read_queue_depth, max_inflight_writes=cfg.worker.max_inflight_writes,
             store=cfg.name, server=self.server,
-            max_clients=cfg.service.max_clients, conn_prefix=self.prefix + "c",
+            max_clients=cfg.service.max_clients, conn_prefix=self.name("c"),
             wake_prefix=client_wake_prefix(self.prefix), n_devices=st.smap.n_devices,
             slot_size=sb.slot_size, area_offsets=tuple(a.offset for a in sb.areas),
             area_slots=tuple(a.slot_count for a in sb.areas),
