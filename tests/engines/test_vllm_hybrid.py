@@ -30,7 +30,7 @@ def _run(tmp_path: Path, model: Path, *args: str) -> subprocess.CompletedProcess
 
 def test_a_mamba_hybrid_runs_without_the_connector_and_is_refused_by_it_with_the_reason(tmp_path: Path) -> None:
     model = make_tiny_hybrid(tmp_path / "model")
-    plain = _run(tmp_path, model)
+    plain = _run(tmp_path, model, "--in-process")
     assert plain.returncode == 0, (plain.stdout + plain.stderr)[-4000:]
     (line,) = [ln for ln in plain.stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(json.loads(line[7:])["runs"][0][0]["tokens"]) == 8

