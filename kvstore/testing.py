@@ -9,6 +9,8 @@ installed: ``.venv/bin/python scripts/bench/throughput.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -16,9 +18,11 @@ import sys
 import random
 import signal
 import socket
+import stat
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +81,8 @@ def free_port(n: int = 1) -> int:
     sync agent that could not bind its address for a whole test). Ports handed out by this
     process are not handed out again.
     """
+    if not 1 <= n <= 16:
+        raise ValueError(f"free_port hands out 1 to 16 consecutive ports, not {n}")
     lo, hi = ephemeral_port_range()
     span = range(10_000, lo - n) if lo - n > 11_000 else range(hi + 1, 65_536 - n)
     # Under pytest-xdist several test processes pick ports at once, each remembering only its own:
@@ -101,6 +107,37 @@ def free_port(n: int = 1) -> int:
         _handed_out.update(range(p, p + n))
         return p
     raise OSError("no free ports on 127.0.0.1 outside the ephemeral range")
+
+
+@contextlib.contextmanager
+def opened_to_others(paths: Iterable[Path], timeout: float = 300.0) -> Iterator[None]:
+    """Every directory on the way to ``paths`` made traversable by other users (o+rx) for the
+    block, then given its mode back, so that a process of another user meets only the modes the
+    service itself sets. One block at a time on the machine (a lock file): tests running at once
+    (pytest-xdist workers share the directories above their temporary ones) must neither save a
+    mode another one widened nor close a directory another still needs."""
+    dirs = sorted({d for p in paths for d in [Path(p), *Path(p).parents] if d != Path("/")})
+    with open(os.path.join(tempfile.gettempdir(), "kvstore-tests-open-dirs.lock"), "a") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another test kept directories opened for {timeout:.0f} s") from None
+                time.sleep(0.05)
+        try:
+            modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in dirs}
+            try:
+                for d in dirs:
+                    os.chmod(d, modes[d] | 0o005)
+                yield
+            finally:
+                for d in dirs:
+                    os.chmod(d, modes[d])
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _xdist_share() -> tuple[int, int]:

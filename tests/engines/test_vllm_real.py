@@ -3,7 +3,8 @@ a tiny random Llama built here (no downloads), every engine a fresh process.
 
 Engines whose connector saves or loads across vLLM's own processes, as users run it (engine core
 and worker each a process, the connector's metadata and results crossing between them): server
-a's first save here, the OpenAI server (which also loads), and both servers of the P/D test.
+a's first save here, the load with failed blocks, the OpenAI server (which also loads), the
+refused Mamba hybrid and both servers of the P/D test.
 The other runs (baselines without the connector, and the scenarios) run vLLM's engine core and
 worker in the engine's process (``vllm_run --in-process``): the same code, both connector roles,
 in under half the time on two cores.
@@ -46,8 +47,10 @@ BLOCK = 128            # vLLM CPU's default block size
 PAGE_TOKENS = 2 * BLOCK  # two blocks per page: exercises loads from the middle of a page
 PAGE = PAGE_TOKENS // BLOCK * 4 * 2 * BLOCK * 128 * 2  # 4 layers x (2 heads x 128 tokens x 128 bf16) per block
 STEP = 1024            # max_num_batched_tokens: prompts longer than this prefill in chunks
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "VLLM_LOGGING_LEVEL": "WARNING"}
+# OMP_NUM_THREADS as vLLM sets it for its own worker processes from the bind list: runs in one
+# process and runs across vLLM's processes compute alike on a machine of any size
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -213,7 +216,9 @@ def test_pages_that_fail_validation_are_recomputed_even_with_the_fail_policy(clu
     cluster.restart("b")  # a fresh service: rebuilds from headers, so lookups find every page
     assert wait_for(lambda: cluster.stats("b").slots_valid >= 15, 30)
     _corrupt_every_page(cluster.dev)
-    got = cluster.run(PROMPTS, "--store", "v", "--server", "b", "--failure-policy", "fail", name="corrupt")
+    # across vLLM's processes: the worker's report of failed blocks reaches the scheduler as users run it
+    got = cluster.run(PROMPTS, "--store", "v", "--server", "b", "--failure-policy", "fail", name="corrupt",
+                      processes=True)
     assert [r["finish"] for r in got] == ["length"] * 3
     assert [r["tokens"] for r in got] == [r["tokens"] for r in base]
     assert cluster.stats("b").validation_failures > 0

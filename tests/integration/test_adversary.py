@@ -8,10 +8,10 @@ is the victim; each test checks what the attacker got (nothing) and what alpha s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import stat
 import subprocess
 import sys
 import threading
@@ -29,7 +29,7 @@ from kvstore.quickstart import page_bytes
 from kvstore.shm.segment import Segment
 from kvstore.shm.wake import WakeWriter
 from kvstore.storage.membership import read_membership
-from kvstore.testing import make_store, wait_for
+from kvstore.testing import make_store, opened_to_others, wait_for
 
 from .test_tenants import nogroup_or_skip
 
@@ -83,37 +83,28 @@ class Scene:
             return [sys.executable, *args]
         return ["setpriv", "--reuid=65534", f"--regid={self.gid}", "--clear-groups", "/usr/bin/python3", *args]
 
-    def _opened(self) -> list[tuple[Path, int]]:
+    def opened(self) -> contextlib.AbstractContextManager[None]:
         """The directories above the socket and the adversary, opened for the run (so that the
         service's own modes decide what another user reaches)."""
-        dirs = {d for p in (self.home, ADVERSARY.parent) for d in [p, *p.parents] if d != Path("/")}
-        return [(d, stat.S_IMODE(os.stat(d).st_mode)) for d in sorted(dirs)]
+        return opened_to_others([self.home, ADVERSARY.parent])
 
     def attack(self, attack: str, seconds: float = 3.0, tenant: str = "beta") -> dict[str, Any]:
-        opened = self._opened()
-        try:
-            for d, m in opened:
-                os.chmod(d, m | 0o005)
+        with self.opened():
             r = subprocess.run(self._cmd(attack, seconds, tenant), capture_output=True, text=True, cwd="/",
                                timeout=120)
-        finally:
-            for d, m in opened:
-                os.chmod(d, m)
         assert r.returncode == 0, r.stderr
         out: dict[str, Any] = json.loads(r.stdout)
         return out
 
     def attack_in_background(self, attack: str, seconds: float) -> subprocess.Popen[str]:
-        opened = self._opened()
-        for d, m in opened:
-            os.chmod(d, m | 0o005)
-        self._restore = opened
+        self._restore = contextlib.ExitStack()
+        self._restore.enter_context(self.opened())
         return subprocess.Popen(self._cmd(attack, seconds, "beta"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd="/")
 
     def restore(self) -> None:
-        for d, m in getattr(self, "_restore", []):
-            os.chmod(d, m)
+        if hasattr(self, "_restore"):
+            self._restore.close()
 
 
 def _save(c: KVCacheClient, keys: list[bytes]) -> None:
@@ -340,27 +331,24 @@ def test_a_connection_flood_does_not_keep_a_healthy_client_out(home: Path, file_
             "    try: s.connect(sys.argv[1]); socks.append(s)\n"
             "    except OSError: pass\n"
             "print(len(socks), flush=True); time.sleep(float(sys.argv[2]))\n")
-    opened = sc._opened()
-    for d, m in opened:
-        os.chmod(d, m | 0o005)
-    flood = subprocess.Popen(["setpriv", "--reuid=65534", f"--regid={sc.gid}", "--clear-groups", "/usr/bin/python3",
-                              "-c", code, str(sc.sock), "8"], stdout=subprocess.PIPE, text=True, cwd="/")
-    try:
-        assert flood.stdout is not None
-        held = int(flood.stdout.readline())
-        lat = []
-        for i in range(20):
-            t0 = time.monotonic()
-            with sc.alpha() as a:
-                lat.append(time.monotonic() - t0)
-                assert a.lookup([b"k%d" % i]) == 0
-        print(f"flood of {held} silent connections: 20/20 connects, "
-              f"p50 {sorted(lat)[10] * 1e3:.1f} ms, max {max(lat) * 1e3:.1f} ms")
-    finally:
-        flood.kill()
-        flood.wait()
-        for d, m in opened:
-            os.chmod(d, m)
+    with sc.opened():
+        flood = subprocess.Popen(["setpriv", "--reuid=65534", f"--regid={sc.gid}", "--clear-groups",
+                                  "/usr/bin/python3", "-c", code, str(sc.sock), "8"], stdout=subprocess.PIPE,
+                                 text=True, cwd="/")
+        try:
+            assert flood.stdout is not None
+            held = int(flood.stdout.readline())
+            lat = []
+            for i in range(20):
+                t0 = time.monotonic()
+                with sc.alpha() as a:
+                    lat.append(time.monotonic() - t0)
+                    assert a.lookup([b"k%d" % i]) == 0
+            print(f"flood of {held} silent connections: 20/20 connects, "
+                  f"p50 {sorted(lat)[10] * 1e3:.1f} ms, max {max(lat) * 1e3:.1f} ms")
+        finally:
+            flood.kill()
+            flood.wait()
 
 
 def test_another_user_cannot_take_every_place(home: Path, file_devices: Any, services: Any) -> None:
@@ -372,24 +360,20 @@ def test_another_user_cannot_take_every_place(home: Path, file_devices: Any, ser
             "for _ in range(16):\n"
             "    s, h, fds = adversary.hello(sys.argv[2], 'beta'); got.append((s, h.get('ok'), h.get('kind')))\n"
             "print(json.dumps([[ok, kind] for _s, ok, kind in got]), flush=True); time.sleep(float(sys.argv[3]))\n")
-    opened = sc._opened()
-    for d, m in opened:
-        os.chmod(d, m | 0o005)
-    p = subprocess.Popen(["setpriv", "--reuid=65534", f"--regid={sc.gid}", "--clear-groups", "/usr/bin/python3",
-                          "-c", code, str(ADVERSARY.parent), str(sc.sock), "10"], stdout=subprocess.PIPE, text=True,
-                         cwd="/")
-    try:
-        assert p.stdout is not None
-        got = json.loads(p.stdout.readline())
-        assert sum(1 for ok, _k in got if ok) == 4, got           # a quarter of 16
-        assert all(k == "busy" for ok, k in got if not ok), got
-        with sc.alpha() as a:                                      # the service's own user gets in
-            assert a.lookup([b"x"]) == 0
-    finally:
-        p.kill()
-        p.wait()
-        for d, m in opened:
-            os.chmod(d, m)
+    with sc.opened():
+        p = subprocess.Popen(["setpriv", "--reuid=65534", f"--regid={sc.gid}", "--clear-groups", "/usr/bin/python3",
+                              "-c", code, str(ADVERSARY.parent), str(sc.sock), "10"], stdout=subprocess.PIPE, text=True,
+                             cwd="/")
+        try:
+            assert p.stdout is not None
+            got = json.loads(p.stdout.readline())
+            assert sum(1 for ok, _k in got if ok) == 4, got           # a quarter of 16
+            assert all(k == "busy" for ok, k in got if not ok), got
+            with sc.alpha() as a:                                      # the service's own user gets in
+                assert a.lookup([b"x"]) == 0
+        finally:
+            p.kill()
+            p.wait()
 
 
 def test_sync_ring_records_out_of_range_are_dropped() -> None:

@@ -14,7 +14,7 @@ import pytest
 from kvstore import KVCacheClient, KVStoreError, NotAllowed
 from kvstore.config import StoreConfig, load_store, run_dir, save_store
 from kvstore.quickstart import page_bytes
-from kvstore.testing import make_store
+from kvstore.testing import make_store, opened_to_others
 
 pytestmark = pytest.mark.integration
 PS = 16 << 10
@@ -82,18 +82,11 @@ def test_other_local_users_cannot_connect(home: Path, file_devices: Any, service
     for seg in svc.leftovers():  # every live segment and wake-up FIFO is owner-only
         assert stat.S_IMODE(os.stat(Path("/dev/shm") / seg).st_mode) == 0o600
     # open every directory on the way (only for this test), so that the socket's own mode decides
-    opened = [d for d in [sock.parent, *sock.parent.parents] if d != Path("/")]
-    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
-    try:
-        for d in opened:
-            os.chmod(d, modes[d] | 0o005)
-        code = ("import socket; s = socket.socket(socket.AF_UNIX); print('socket made', flush=True); "
-                f"s.connect({str(sock)!r}); print('connected')")
+    code = ("import socket; s = socket.socket(socket.AF_UNIX); print('socket made', flush=True); "
+            f"s.connect({str(sock)!r}); print('connected')")
+    with opened_to_others([sock.parent]):
         r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", other_python, "-c", code],
-                           capture_output=True, text=True, cwd="/")
-    finally:
-        for d in opened:
-            os.chmod(d, modes[d])
+                           capture_output=True, text=True, cwd="/", timeout=120)
     # the interpreter ran and made its socket; the connect itself was refused
     assert "socket made" in r.stdout and "connected" not in r.stdout, r.stdout + r.stderr
     assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
@@ -114,16 +107,9 @@ def nogroup_or_skip() -> int:
 def run_as_other_user(home: Path, gid: int, code: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` with the system python3 as uid 65534 in group ``gid``, with the directories
     above ``home`` opened for the run only (so that the service's own modes decide)."""
-    opened = [d for d in [home, *home.parents] if d != Path("/")]
-    modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in opened}
-    try:
-        for d in opened:
-            os.chmod(d, modes[d] | 0o005)
+    with opened_to_others([home]):
         return subprocess.run(["setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups", "/usr/bin/python3",
-                               "-c", code], capture_output=True, text=True, cwd="/")
-    finally:
-        for d in opened:
-            os.chmod(d, modes[d])
+                               "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
 
 
 def test_access_group_lets_its_members_connect(home: Path, file_devices: Any, services: Any) -> None:
