@@ -47,8 +47,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Slow tests first (a stable sort): pytest-xdist hands out modules in this order, and the
-    longest ones (the real engines, mypy) started last would leave the other workers idle."""
+    """Slow tests first (a stable sort): pytest-xdist hands out modules in this order (with
+    ``--no-loadscope-reorder``; its default order is by test count, which puts the real engines,
+    a few long tests a module, last), and the longest ones started last would leave the other
+    workers idle."""
     items.sort(key=lambda it: not any(it.get_closest_marker(m) for m in ("vllm", "sglang", "lmcache", "slow")))
 
 
