@@ -22,7 +22,8 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ from .shm.wake import WakeReader, WakeWriter
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_POLL_S = 0.002  # see ``connect``
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE_U64 = np.zeros(0, dtype=np.uint64)
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,72 @@ class PageReservation(Sequence[memoryview]):
         self.release()
 
 
+@dataclass
+class _Reads:
+    """A direct get in flight (``KVCacheClient._post_direct``)."""
+
+    bufs: list[int]             # the lease buffers of the batch, one per key
+    good: np.ndarray[Any, Any]  # per key: read and validated
+    rows: np.ndarray[Any, Any]  # of the reads not answered yet: the key's row,
+    lbs: np.ndarray[Any, Any]   # its buffer (lease-relative, int64)
+    seqs: np.ndarray[Any, Any]  # and the read's seq (uint64)
+    t0: float
+    deadline: float
+
+    @property
+    def waiting(self) -> int:
+        return len(self.rows)
+
+
+class PendingGet:
+    """A ``get`` whose reads are in flight (``KVCacheClient.get_async``)."""
+
+    def __init__(self, client: KVCacheClient, reads: _Reads | None, batch: PageBatch | None) -> None:
+        self._client = client
+        self._reads = reads
+        self._batch = batch
+
+    def result(self) -> PageBatch:
+        """Wait for the reads (until the timeout given to ``get_async``, counted from then)
+        and return their ``PageBatch``; again the same batch on later calls.
+
+        Raises:
+            Timeout, ServiceLost: as ``get`` (the pages are misses; the buffers come back).
+            ClosedError: the get was cancelled, or the client closed before it finished.
+        """
+        if self._batch is not None:
+            return self._batch
+        c = self._client
+        with c._lock:
+            if self._batch is not None:
+                return self._batch
+            if self._reads is None:
+                raise ClosedError("this get was cancelled")
+            c._check_open()
+            r, self._reads = self._reads, None
+            try:
+                self._batch = c._finish_direct(r)
+            except BaseException:
+                c._abandon(r)
+                raise
+            return self._batch
+
+    def cancel(self) -> None:
+        """Give the reads up (idempotent; a finished get's batch is released)."""
+        c = self._client
+        with c._lock:
+            r, self._reads = self._reads, None
+            if r is not None and not c._closed:
+                c._abandon(r)
+        if self._batch is not None:
+            self._batch.release()
+
+    def __del__(self) -> None:
+        r = self._reads
+        if r is not None:  # never waited for: its buffers come back (``_reclaim_orphans``)
+            self._client._dropped.append(r)
+
+
 class KVCacheClient:
     """A connection to the local cache service of one store.
 
@@ -281,6 +350,7 @@ class KVCacheClient:
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
+        self._dropped: list[_Reads] = []  # gets posted and never waited for (``PendingGet.__del__``)
         self._salt: bytes = hello["salt"]
         self._salt_seq = 0  # the channel's keyspace word when ``_salt`` was taken (see ``_tenant_salt``)
         lay = ControlLayout.of(hello["slots"])
@@ -295,6 +365,17 @@ class KVCacheClient:
         self._smap = SlotMap(hello["areas"])  # where each slot is, for direct reads
         self._direct_state = A.tagged(A.DIRECT, hello["generation"])
         self._wakes = [WakeWriter.open(name) for name in hello["workers"]]
+        # what _native/direct.c's kv_post_direct is given: the slot table, the slot map's bases,
+        # our direct-read rings and per-buffer words
+        self._slots_c = FFI.cast("void *", self._slots.ctypes.data)
+        self._bases_c = FFI.cast("int64_t *", self._smap._flat_bases.ctypes.data)
+        self._rings_c = FFI.new("struct kv_ring[]", max(1, len(self._chan.direct)))
+        for i, ring in enumerate(self._chan.direct):
+            ring.point(self._rings_c[i])
+        self._dseq_c = FFI.cast("uint64_t *", self._chan.dseq.ctypes.data)
+        self._ddev_c = FFI.cast("uint32_t *", self._chan.ddev.ctypes.data)
+        self._wstat_c = FFI.cast("int32_t *", self._chan.wstat.ctypes.data)
+        self._seqbox = FFI.new("uint64_t *")
         self._lock = threading.Lock()
         self._seq = 1
         self._closed = False
@@ -404,6 +485,8 @@ class KVCacheClient:
 
     # ---- buffers -------------------------------------------------------------------------
     def _reclaim_orphans(self) -> None:
+        while self._dropped:
+            self._abandon(self._dropped.pop())
         for b in list(self._orphans):
             st = self._arena.state(b)
             if st == A.CLIENT:  # answered after the call gave up: nobody holds a view of it
@@ -432,9 +515,8 @@ class KVCacheClient:
             free = self._lease.start + np.nonzero(self._lease_states == A.FREE)[0]
             LIB.kv_fence()  # the loads above act as load-acquires: see the buffers as freed
             if len(free) >= n:
+                self._arena.set_states(free[:n] - self._lease.start, A.CLIENT)
                 got: list[int] = free[:n].tolist()
-                for i in got:
-                    self._arena.set_state(i, A.CLIENT)
                 return got
             self._check_service()
             if time.monotonic() >= deadline:
@@ -647,16 +729,18 @@ class KVCacheClient:
         """The batch over ``bufs`` whose reads succeeded (``ok``); the other buffers go back."""
         views: list[memoryview | None] = []
         held: list[tuple[int, Any]] = []
+        arena = self._arena
         for j, b in enumerate(bufs):
-            if ok[j] and self._arena.state(b) == A.CLIENT:
-                page = self._arena.payload_array(b).view(_PageArray)
+            mine = arena.state(b) == A.CLIENT
+            if ok[j] and mine:
+                page = _PageArray((arena.page_size,), np.uint8, arena.data, arena.payload_offset(b))
                 page.flags.writeable = False
                 page._owner = self
-                views.append(memoryview(page))  # type: ignore[arg-type]
+                views.append(memoryview(page))
                 held.append((b, weakref.ref(page)))
             else:
                 views.append(None)
-                if self._arena.state(b) == A.CLIENT:
+                if mine:
                     self._arena.set_state(b, A.FREE)
         return PageBatch(self, views, held)
 
@@ -674,104 +758,181 @@ class KVCacheClient:
 
     def _get_direct(self, ids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any],
                     deadline: float, t0: float) -> PageBatch:
-        """A get without the supervisor: pin the slots found, post the reads straight to the device
-        workers' rings in our segment, wait for the workers' answers (caller holds the lock).
+        """A get without the supervisor (caller holds the lock): ``_post_direct``, then
+        ``_finish_direct``."""
+        return self._finish_direct(self._post_direct(ids, words, gids, deadline, t0))
+
+    def _post_direct(self, ids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any],
+                     deadline: float, t0: float) -> _Reads:
+        """Pin the slots found and post the reads straight to the device workers' rings in our
+        segment (caller holds the lock); ``_finish_direct`` waits for the workers' answers.
         The protocol is in ipc/connection.py. A record names the slot, the generation found
         and the key id; the worker reads only if the key id, salted with this connection's
         tenant salt, is the digest the service's register holds, and validates the page
         against that register, as for the supervisor's reads."""
         n = len(words)
-        ch = self._chan
         bufs = self._alloc(n, deadline)
-        lease0 = self._lease.start
-        hit = np.nonzero(gids >= 0)[0]
-        lb = np.asarray(bufs, dtype=np.int64)[hit] - lease0
-        g = gids[hit]
-        ch.pins[lb] = g
-        LIB.kv_fence()  # pin, then look: the supervisor retires, then looks at the pins
-        # the entry is read between two reads of its generation: retiring a slot writes its
-        # state, then its generation, so an entry seen VALID here was seen with the generation
-        # it had while VALID, or the two reads differ (then it is a miss)
-        gen = self._slots["gen"][g]
-        s = self._slots[g]
-        LIB.kv_fence()
-        w = words[hit]
-        kid = ids[hit]
-        ok = ((s["state"] == VALID) & (s["d0"] == w[:, 0]) & (s["d1"] == w[:, 1]) & (s["d2"] == w[:, 2])
-              & (s["d3"] == w[:, 3]) & (s["gen"] == gen) & (self._slots["gen"][g] == gen))
-        ch.pins[lb[~ok]] = -1  # changed since the index said so: a miss
-        posted: list[tuple[int, int, int]] = []  # (row, lease buffer, seq)
-        if ok.any():
-            rows, lbs, gs, ko = hit[ok], lb[ok], g[ok], np.ascontiguousarray(kid[ok]).view("<u8")
-            dev, area, slot = self._smap.locate_many(gs)
-            m = len(rows)
-            recs = np.empty(m, dtype=P.DIRECT_REQ)
-            recs["seq"] = np.arange(self._seq, self._seq + m, dtype=np.uint64)
-            self._seq += m
-            recs["buf"], recs["area"], recs["slot"] = lbs, area, slot
-            recs["payload_len"], recs["gen"] = s["length"][ok], s["gen"][ok]
-            for i in range(4):
-                recs[f"d{i}"] = ko[:, i]  # the key id: the worker salts it itself
-            ch.dseq[lbs] = recs["seq"]
-            ch.ddev[lbs] = dev
-            for b in lbs.tolist():
-                self._arena.set_state(lease0 + b, self._direct_state)  # the worker's from here on
-            seqs = recs["seq"].tolist()
-            for dv in np.unique(dev).tolist():
-                on = np.nonzero(dev == dv)[0]
-                # as many as the ring has room for (only its worker frees room, so put_many cannot
-                # fail); the rest fill no ring: stale records do (its worker is not taking them)
-                taken = on[:max(0, ch.direct[dv].free())].tolist()
-                if taken:
-                    ch.direct[dv].put_many(recs[taken])
-                    self._wakes[dv].post()
-                for j in on[len(taken):].tolist():
-                    b = int(lbs[j])
-                    self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT)
-                    ch.pins[b] = -1
-                posted += [(int(rows[j]), int(lbs[j]), seqs[j]) for j in taken]
-        good = [False] * n
-        waiting = list(posted)
+        rel = np.asarray(bufs, dtype=np.int64) - self._lease.start
+        gids = np.ascontiguousarray(gids, dtype=np.int64)
+        words = np.ascontiguousarray(words, dtype=np.uint64)
+        ids = np.ascontiguousarray(ids)
+        rows, lbs, seqs = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.uint64)
+        woken = np.zeros(len(self._wakes), dtype=np.uint8)
+        box = self._seqbox
+        box[0] = self._seq
+        m = int(LIB.kv_post_direct(
+            self._slots_c, len(self._slots), FFI.from_buffer("int64_t[]", gids), FFI.from_buffer("uint64_t[]", words),
+            FFI.from_buffer("uint64_t[]", ids), FFI.from_buffer("int64_t[]", rel), n, self._chan._pins,
+            self._dseq_c, self._ddev_c, self._arena.states_c, self._direct_state, self._bases_c,
+            len(self._smap._flat_bases), self._smap.n_areas, self._rings_c, len(self._wakes), box,
+            FFI.from_buffer("int64_t[]", rows), FFI.from_buffer("int64_t[]", lbs),
+            FFI.from_buffer("uint64_t[]", seqs), FFI.from_buffer("uint8_t[]", woken)))
+        self._seq = int(box[0])
+        for dv in np.nonzero(woken)[0].tolist():
+            self._wakes[dv].post()
+        prow, plb, pseq = rows[:m], lbs[:m], seqs[:m]
+        return _Reads(bufs, np.zeros(n, dtype=bool), prow, plb, pseq, t0, deadline)
+
+    def _landed(self, r: _Reads) -> bool:
+        """Take the answers that came for ``r``; whether all have (caller holds the lock). (The
+        worker unpinned each answered read's slot before it answered.)"""
+        if not r.waiting:
+            return True
+        k = int(LIB.kv_take_landed(self._arena.states_c, self._chan._wseq, self._wstat_c,
+                                   FFI.from_buffer("int64_t[]", r.rows), FFI.from_buffer("int64_t[]", r.lbs),
+                                   FFI.from_buffer("uint64_t[]", r.seqs), r.waiting, A.CLIENT, ST_OK,
+                                   FFI.from_buffer("uint8_t[]", r.good)))
+        if k < r.waiting:
+            r.rows, r.lbs, r.seqs = r.rows[:k], r.lbs[:k], r.seqs[:k]
+        return not k
+
+    def _finish_direct(self, r: _Reads) -> PageBatch:
+        """Wait for the workers' answers to the reads of ``r`` (caller holds the lock)."""
+        ch, lease0 = self._chan, self._lease.start
         # a read of one or two pages is over in a few hundred microseconds: poll for it (yielding
         # the core) rather than sleep, which adds a scheduler wake-up
         # (~50 us) to every single-page get; bigger batches sleep at once (``poll_s``, ``connect``)
-        poll_until = time.monotonic() + self._poll_s if len(waiting) <= P.POLL_READS else 0.0
-        while waiting:
-            left = []
-            for row, b, seq in waiting:
-                if self._arena.state(lease0 + b) == A.CLIENT and ch.done_seq(b) == seq:
-                    good[row] = int(ch.wstat[b]) == ST_OK
-                    ch.pins[b] = -1
-                else:
-                    left.append((row, b, seq))
-            waiting = left
-            if not waiting:
-                break
+        poll_until = time.monotonic() + self._poll_s if r.waiting <= P.POLL_READS else 0.0
+        while not self._landed(r):
             self._check_service()
-            rest = deadline - time.monotonic()
+            rest = r.deadline - time.monotonic()
             if rest <= 0:
-                for _row, b, _seq in waiting:
-                    if self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT):
-                        ch.pins[b] = -1  # the worker had not taken it: ours again, and free below
-                        self._arena.set_state(lease0 + b, A.FREE)
-                    else:  # being read: the worker hands it back (and unpins it) when done
-                        self._orphans.add(lease0 + b)
-                for _row, b, _seq in waiting:
-                    bufs.remove(lease0 + b)
-                self._views(bufs, [False] * len(bufs)).release()
+                self._abandon(r)
                 raise Timeout("the device workers did not finish the reads within the timeout; "
                               "treat these pages as misses")
             if time.monotonic() < poll_until:
                 os.sched_yield()
                 continue
+            # wake me when the last of them lands (reads of later batches may be in flight too:
+            # a worker's "none of yours left" would come only after those); then look again
+            b, seq = int(r.lbs[-1]), int(r.seqs[-1])
+            ch.wait_for(seq)
+            if self._arena.state(lease0 + b) == A.CLIENT and ch.done_seq(b) == seq:
+                continue
             self._wake.wait(min(rest, 0.05))
-        batch = self._views(bufs, good)
+        batch = self._views(r.bufs, r.good.tolist())
         c = ch.counters
         c[P.C_GETS] += 1
-        c[P.C_GET_KEYS] += n
-        c[P.C_GET_MISSES] += n - batch.hits
-        c[P.C_HIST + bucket_of(time.monotonic() - t0)] += 1
+        c[P.C_GET_KEYS] += len(r.good)
+        c[P.C_GET_MISSES] += len(r.good) - batch.hits
+        c[P.C_HIST + bucket_of(time.monotonic() - r.t0)] += 1
         return batch
+
+    def _abandon(self, r: _Reads) -> None:
+        """Give up on the reads of ``r`` still in flight (caller holds the lock): a buffer the
+        worker has not taken is ours again; one being read is handed back (and unpinned) by
+        the worker when done, and freed then. The rest of ``r``'s buffers are free."""
+        ch, lease0 = self._chan, self._lease.start
+        out = set()
+        for b in r.lbs.tolist():
+            out.add(lease0 + b)
+            if self._arena.cas_state(lease0 + b, self._direct_state, A.CLIENT):
+                ch.pins[b] = -1  # the worker had not taken it: ours again, and free below
+                self._arena.set_state(lease0 + b, A.FREE)
+            else:  # being read: the worker hands it back (and unpins it) when done
+                self._orphans.add(lease0 + b)
+        r.rows, r.lbs, r.seqs = _NONE, _NONE, _NONE_U64
+        r.bufs = [b for b in r.bufs if b not in out]
+        self._views(r.bufs, [False] * len(r.bufs)).release()
+
+    def get_async(self, keys: Sequence[bytes], *, timeout: float | None = None) -> PendingGet:
+        """Start reading the pages of ``keys``; ``result()`` of the returned ``PendingGet``
+        waits for them and gives the ``PageBatch`` that ``get`` would have.
+
+        The reads run on the devices while the caller does other work, or starts further
+        gets: several gets in flight keep the devices' queues full where one waited-for
+        batch at a time drains them (``get_many`` does this over a long list of keys). The
+        timeout counts from this call. Each pending get holds ``len(keys)`` of this
+        connection's ``max_batch`` page buffers until its batch is released; one never
+        waited for gives them back when it is garbage-collected.
+
+        Raises:
+            ValueError: more keys than ``max_batch``.
+            TypeError: a key is not ``bytes``.
+            Timeout, ServiceLost: no free page buffers or request within the timeout.
+        """
+        keys = check_keys(keys)
+        if len(keys) > self.max_batch:
+            raise ValueError(f"get of {len(keys)} keys exceeds max_batch {self.max_batch} "
+                             "(service.client_buffers in the store config); split the batch")
+        if not keys:
+            return PendingGet(self, None, PageBatch(self, [], []))
+        deadline = self._deadline(timeout)
+        with self._lock:
+            self._check_open()
+            t0 = time.monotonic()
+            ids, words = key_digests(keys, self._tenant_salt())
+            assert words is not None
+            gids = self._index.lookup(words)
+            if gids is None:  # the index kept being rebuilt under us: the service reads, now
+                return PendingGet(self, None, self._get_service(ids, deadline))
+            return PendingGet(self, self._post_direct(ids, words, gids, deadline, t0), None)
+
+    def get_many(self, keys: Sequence[bytes], *, batch: int | None = None,
+                 timeout: float | None = None) -> Iterator[tuple[int, PageBatch]]:
+        """Read the pages of any number of ``keys``: yields ``(start, PageBatch)`` for
+        ``keys[start:start + batch]`` in order, while the next batches' reads are already in
+        flight (``get_async``), so one caller keeps the devices busy while it copies pages out.
+
+        Release each batch (``with``, or let the loop go on: a batch is released when the
+        next is asked for) and copy out what you keep: the buffers of a batch are reused for
+        the batches after it.
+
+        Args:
+            batch: keys per batch (default: a quarter of ``max_batch``, so that three batches
+                are in flight while the caller handles a fourth).
+            timeout: seconds for each batch, counted from when its reads are posted.
+
+        Raises:
+            ValueError: ``batch`` is not in ``1..max_batch``.
+            TypeError: a key is not ``bytes``.
+            Timeout, ServiceLost: as ``get``; the batches after the one that failed are
+                given up (their buffers come back).
+        """
+        keys = check_keys(keys)
+        step = max(1, self.max_batch // 4) if batch is None else batch
+        if not 1 <= step <= self.max_batch:
+            raise ValueError(f"batch of {step} keys: between 1 and max_batch ({self.max_batch})")
+        return self._get_many(keys, step, timeout)
+
+    def _get_many(self, keys: list[bytes], step: int, timeout: float | None) -> Iterator[tuple[int, PageBatch]]:
+        depth = max(1, self.max_batch // step)  # batches whose buffers the lease holds at once
+        flight: deque[tuple[int, PendingGet]] = deque()
+        nxt = 0
+        try:
+            while flight or nxt < len(keys):
+                # the first batch in any case; more only while buffers are free (views of earlier
+                # batches a caller kept alive must not stall the pipeline: it goes one at a time)
+                while nxt < len(keys) and len(flight) < depth and (
+                        not flight or self._free_count() >= min(step, len(keys) - nxt)):
+                    flight.append((nxt, self.get_async(keys[nxt:nxt + step], timeout=timeout)))
+                    nxt += step
+                start, pending = flight.popleft()
+                with pending.result() as b:
+                    yield start, b
+        finally:
+            for _start, pending in flight:
+                pending.cancel()
 
     def put(self, keys: Sequence[bytes], pages: Sequence[Any], *, wait: bool = False,
             timeout: float | None = None) -> PutResult:
@@ -954,6 +1115,10 @@ class KVCacheClient:
             self._check_open()
             self._call(self._acquire(deadline), P.OP_PING, 0, 0, deadline)
         return time.monotonic() - t0
+
+    def _free_count(self) -> int:
+        """Leased buffers FREE now, without reclaiming any (a hint: no lock needed)."""
+        return int(np.count_nonzero(self._lease_states == A.FREE))
 
     def free_buffers(self) -> int:
         """Leased buffers free right now (diagnostics: a leak shows as fewer than ``max_batch``).

@@ -78,3 +78,32 @@ int kv_contains_i64(const int64_t *a, int64_t n, int64_t v) {
     for (int64_t i = 0; i < n; i++) if (x[i] == v) return 1;
     return 0;
 }
+
+/* Hand several buffers on at once: a store-release of ``v`` into base[idx[i]] for each i (a
+   client's lease states; one call where Python would make one per buffer). */
+void kv_store_release_u32_at(uint32_t *base, const int64_t *idx, int64_t n, uint32_t v) {
+    for (int64_t i = 0; i < n; i++) __atomic_store_n(&base[idx[i]], v, __ATOMIC_RELEASE);
+}
+
+/* Take the answers to a client's direct reads that have come: read i (key row rows[i], lease
+   buffer bufs[i], seq seqs[i]) is answered when its buffer is in state ``want`` (handed back)
+   and its answer word holds its seq (load-acquire each, so the status and the page written
+   before them are seen); then good[rows[i]] = its status is OK. The reads still waiting are
+   moved to the front of the three arrays, in order; returns how many. */
+int64_t kv_take_landed(const uint32_t *states, const uint64_t *wseq, const int32_t *wstat, int64_t *rows,
+                       int64_t *bufs, uint64_t *seqs, int64_t n, uint32_t want, int32_t ok, uint8_t *good) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = bufs[i];
+        if (__atomic_load_n(&states[b], __ATOMIC_ACQUIRE) == want
+                && __atomic_load_n(&wseq[b], __ATOMIC_ACQUIRE) == seqs[i]) {
+            good[rows[i]] = wstat[b] == ok;
+        } else {
+            rows[k] = rows[i];
+            bufs[k] = b;
+            seqs[k] = seqs[i];
+            k++;
+        }
+    }
+    return k;
+}

@@ -3,7 +3,8 @@
 Compiled out-of-line at install time (``setup.py`` names it in ``cffi_modules``), so
 importing kvstore never needs a compiler. The C units (``aio.c``: libaio and shm atomics;
 ``keys.c``: BLAKE2b key digests and the lock-free index reader; ``worker.c``: an I/O
-worker's turn; ``copy.c``: a page copied and checksummed) compile separately, each
+worker's turn; ``copy.c``: a page copied and checksummed; ``direct.c``: a client's direct
+reads posted) compile separately, each
 including ``internal.h``, which includes ``kvstore.h``: the one header of every shared
 struct and constant. cffi reads the same ``kvstore.h`` for its declarations, so the
 structs Python sees (``ffi.offsetof``) and the integer constants it takes
@@ -18,7 +19,7 @@ from pathlib import Path
 import cffi
 
 HERE = Path(__file__).parent
-UNITS = ["aio.c", "keys.c", "worker.c", "copy.c"]
+UNITS = ["aio.c", "keys.c", "worker.c", "copy.c", "direct.c"]
 
 # what cffi needs of libaio.h to parse kvstore.h: the types, opaque
 PRELUDE = """

@@ -85,6 +85,7 @@ struct kv_wconn {
     int32_t has_prev;
     int32_t cid;           /* its id in the service's connection table */
     int32_t refused;       /* it posted a record no honest client writes: no more of its reads */
+    uint64_t *wake_seq;    /* client: the read it waits for next (also woken for it: pipelined gets) */
 };
 
 struct kv_bad {  /* a read whose header was not the expected one, for the log */
@@ -155,6 +156,16 @@ int kv_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired);
 uint64_t kv_fetch_add_u64(uint64_t *p, uint64_t v);
 void kv_fence(void);
 int kv_contains_i64(const int64_t *a, int64_t n, int64_t v);
+void kv_store_release_u32_at(uint32_t *base, const int64_t *idx, int64_t n, uint32_t v);
+int64_t kv_take_landed(const uint32_t *states, const uint64_t *wseq, const int32_t *wstat, int64_t *rows,
+                       int64_t *bufs, uint64_t *seqs, int64_t n, uint32_t want, int32_t ok, uint8_t *good);
+
+/* ---- direct.c: a client's direct reads, posted ------------------------------------------------ */
+int64_t kv_post_direct(const void *slotsv, uint64_t nslots, const int64_t *gids, const uint64_t *words,
+                       const uint64_t *ids, const int64_t *bufs, int64_t n, int64_t *pins, uint64_t *dseq,
+                       uint32_t *ddev, uint32_t *states, uint32_t direct_state, const int64_t *bases,
+                       int64_t nbases, int64_t nareas, struct kv_ring *rings, int64_t ndev, uint64_t *seq,
+                       int64_t *rows_out, int64_t *lbs_out, uint64_t *seqs_out, uint8_t *woken);
 
 /* ---- keys.c: key digests (BLAKE2b) and the lock-free key index -------------------------------- */
 void kv_key_digests(const uint8_t *blob, const uint64_t *lens, int64_t n, const uint8_t *salt,

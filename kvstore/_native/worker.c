@@ -155,6 +155,22 @@ static void kv_flush_deferred(struct kv_worker *w) {
     if (w->ndeferred) w->bell = 1;  /* the supervisor must drain ``done``: keep ringing */
 }
 
+/* After answering the client's read ``seq``: put the client on this turn's wake list (once per
+   turn) when this worker holds none of its reads any more (it waits for all it posted: not
+   woken for every page), or when ``seq`` is the read it says it waits for (``wake_seq``: it
+   keeps more reads in flight than it waits for, a pipelined get). The word is the client's to
+   write: a wrong value only wakes that client too often or too late (it sleeps at most a
+   poll interval). The fence pairs with the client's between writing ``wake_seq`` and looking
+   at ``wseq`` again: one of the two sees the other's store. */
+static inline void kv_wake_client(struct kv_worker *w, struct kv_wconn *c, int32_t ci, uint64_t seq) {
+    if (c->wake) return;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if ((!c->inflight && kv_conn_len(c) <= 0) || seq == __atomic_load_n(c->wake_seq, __ATOMIC_ACQUIRE)) {
+        c->wake = 1;
+        w->wake_list[w->nwake++] = ci;
+    }
+}
+
 /* Tell the supervisor of a client's direct read (after the client has its answer). */
 static void kv_report_direct(struct kv_worker *w, struct kv_wconn *c, int status, int64_t res, uint64_t lat,
                              uint64_t gen, uint32_t area, uint64_t slot) {
@@ -180,12 +196,7 @@ static void kv_answer_direct(struct kv_worker *w, struct kv_pend *p, int status,
     __atomic_store_n(&c->states[b], KV_A_CLIENT, __ATOMIC_RELEASE);
     c->inflight--;
     __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
-    if (!c->inflight && kv_conn_len(c) <= 0 && !c->wake) {
-        /* the client waits for all the reads it posted: wake it when this worker holds none
-           of them any more (once per call), not for every page */
-        c->wake = 1;
-        w->wake_list[w->nwake++] = p->conn;
-    }
+    kv_wake_client(w, c, p->conn, p->seq);
     if (status == KV_ST_OK && w->ref) {  /* a page read is recently used (CLOCK) */
         const uint64_t gid = w->area_gid[p->r.area] + p->r.slot;
         __atomic_store_n(&w->ref[gid], 1, __ATOMIC_RELAXED);
@@ -203,10 +214,7 @@ static void kv_answer_now(struct kv_worker *w, int32_t ci, uint32_t b, uint64_t 
     __atomic_store_n(&c->wseq[b], seq, __ATOMIC_RELEASE);
     __atomic_store_n(&c->states[b], KV_A_CLIENT, __ATOMIC_RELEASE);
     __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
-    if (!c->inflight && kv_conn_len(c) <= 0 && !c->wake) {
-        c->wake = 1;
-        w->wake_list[w->nwake++] = ci;
-    }
+    kv_wake_client(w, c, ci, seq);
     if (status == KV_ST_REFUSED) kv_report_direct(w, c, status, 0, 0, d->gen, d->area, d->slot);
 }
 

@@ -119,14 +119,6 @@ def _ptr(ctype: str, a: np.ndarray[Any, Any]) -> Any:
     return FFI.cast(ctype, a.ctypes.data)
 
 
-def _ring(dst: Any, ring: Any) -> None:
-    """Point a ``struct kv_ring`` at a ``shm.ring.Ring``."""
-    dst.head = ring._head
-    dst.tail = ring._tail
-    dst.recs = _ptr("uint8_t *", ring._recs)
-    dst.mask = ring.capacity - 1
-
-
 class _Conn:
     """A client connection whose direct reads this worker serves (``k``: its slot in the C table).
 
@@ -165,7 +157,7 @@ class _Conn:
         c.base = self.base
         c.states = FFI.cast("uint32_t *", self._mem + states_off)
         ring = self.chan.direct[p.device_index]
-        _ring(c.ring, ring)
+        ring.point(c.ring)
         c.head = int(LIB.kv_load_acquire_u64(ring._head))  # ours from here on; the tail is checked against it
         self.salt_seq = -1
         self.rekey(entry)
@@ -173,6 +165,7 @@ class _Conn:
         c.dseq = _ptr("uint64_t *", self.chan.dseq)
         c.wstat = _ptr("int32_t *", self.chan.wstat)
         c.wseq = self.chan._wseq
+        c.wake_seq = self.chan._wake_seq
         c.inflight = 0
         c.busy = _ptr("int64_t *", busy)
         c.wake = 0
@@ -231,9 +224,9 @@ class Worker:
         w.read_depth = p.read_depth
         w.max_writes = p.max_inflight_writes
         w.version = FORMAT_VERSION
-        _ring(w.reads, self.rings.reads)
-        _ring(w.writes, self.rings.writes)
-        _ring(w.done, self.rings.done)
+        self.rings.reads.point(w.reads)
+        self.rings.writes.point(w.writes)
+        self.rings.done.point(w.done)
         # the leases, by connection id, as this worker maps them (each in its connection's segment)
         w.bsize = buffer_size(p.page_size)
         n_ids = max(1, p.max_clients)

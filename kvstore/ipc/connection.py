@@ -2,8 +2,8 @@
 
 Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)::
 
-    client -> service  {"v": 5, "op": "hello", "tenant": str}
-    service -> client  {"v": 5, "ok": true, "client_id": int, "page_size": int,
+    client -> service  {"v": 6, "op": "hello", "tenant": str}
+    service -> client  {"v": 6, "ok": true, "client_id": int, "page_size": int,
                         "max_batch": int, "lease_start": int, "lease_count": int,
                         "control": str, "slots": int, "salt": bytes,
                         "segment": str, "states_offset": int, "buffers_offset": int,
@@ -11,7 +11,7 @@ Hello (framing: 4-byte little-endian length, then a msgpack map; docs/FORMAT.md)
                         "service_pid": int, "store": str, "server": str, "tenant": str}
                        with two file descriptors (SCM_RIGHTS): the connection segment
                        and the read end of the client's wake-up
-                   or  {"v": 5, "ok": false, "error": str, "kind": str}
+                   or  {"v": 6, "ok": false, "error": str, "kind": str}
 
 ``slots`` gives the control segment's layout (shm/control.py), which the client maps
 read-only to answer lookups itself from the key index; ``salt`` is the granted tenant's
@@ -60,6 +60,11 @@ Connection segment layout (``ClientChannel``)::
                  the client takes the salt for its own lookups when ``seq`` changed (a seqlock).
                  The client could write it too, and would only mislead its own lookups: the
                  service never reads it back (it counts ``seq`` in its own record).
+    wake         64 bytes, client -> I/O workers: u64 ``wake_seq``, the direct read the client
+                 waits for next. A worker wakes the client when it holds none of its reads any
+                 more, or when it answers the read ``wake_seq`` names: a client keeping several
+                 batches in flight (``get_async``) is woken when the one it waits for lands, not
+                 when all have. A wrong value only wakes that client too often or too late.
 
 Direct reads (gets that bypass the supervisor; see client.py ``_get_direct``): the client
 finds the slot in the shared index, notes it in ``pins`` (its own bookkeeping: the service
@@ -110,7 +115,8 @@ import numpy as np
 from .._native.lib import FFI, LIB
 from ..shm.ring import Ring
 
-VERSION = 5  # 4: wake-ups are FIFOs, the client's sent as a second descriptor; 5: the channel's keyspace
+VERSION = 6  # 4: wake-ups are FIFOs, the client's sent as a second descriptor; 5: the channel's keyspace;
+            # 6: the channel's wake word
 MAX_FRAME = 1 << 16
 HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
 LISTEN_BACKLOG = 1024    # connections the kernel queues for accept (capped by net.core.somaxconn)
@@ -120,7 +126,8 @@ HIST_BUCKETS = 32        # as the stats block's histograms
 COUNTERS_WORDS = 5 + HIST_BUCKETS  # client-written counters, after the descriptors
 POLL_READS = 2  # a direct-read batch this small is latency-bound: the client polls for its answer,
                 # and the worker that served it polls a little before it sleeps (no wake-ups)
-KEYSPACE_BYTES = 64  # the channel's last part: salt seq and salt (service -> client)
+KEYSPACE_BYTES = 64  # salt seq and salt (service -> client)
+WAKE_BYTES = 64  # the channel's last part: the read the client waits for (client -> workers)
 C_LOOKUPS, C_LOOKUP_KEYS, C_GETS, C_GET_KEYS, C_GET_MISSES, C_HIST = range(6)
 
 #: client -> I/O worker: one direct read, 64 bytes
@@ -287,6 +294,8 @@ class ClientChannel:
         o += _round64(8 * max_batch)
         self._kseq = FFI.cast("uint64_t *", base + o)
         self._ksalt = np.frombuffer(buf, dtype=np.uint8, count=32, offset=o + 8)
+        o += KEYSPACE_BYTES
+        self._wake_seq = FFI.cast("uint64_t *", base + o)
 
     def publish_salt(self, salt: bytes, seq: int) -> None:
         """Service: the connection's tenant salt changed; ``seq`` (even, the service's own count:
@@ -310,6 +319,13 @@ class ClientChannel:
         LIB.kv_fence()
         return salt if int(LIB.kv_load_acquire_u64(self._kseq)) == seq else None
 
+    def wait_for(self, seq: int) -> None:
+        """Client: name the direct read it waits for next (a worker answering it wakes the
+        client), then fence: the caller looks at that read's ``wseq`` again after this, and a
+        worker looks at this word after publishing ``wseq`` (one of the two sees the other)."""
+        LIB.kv_store_release_u64(self._wake_seq, seq)
+        LIB.kv_fence()
+
     def pinned(self, gid: int) -> bool:
         """Whether one of this connection's direct reads pins slot ``gid`` (the caller fences first)."""
         return bool(LIB.kv_contains_i64(self._pins, self.max_batch, gid))
@@ -329,7 +345,7 @@ class ClientChannel:
         return (Ring.nbytes(NDESC, REQ) + NDESC * Descriptor.nbytes(max_batch) + _round64(8 * COUNTERS_WORDS)
                 + n_devices * Ring.nbytes(direct_capacity(max_batch), DIRECT_REQ)
                 + 2 * _round64(8 * max_batch) + 2 * _round64(4 * max_batch) + _round64(8 * max_batch)
-                + KEYSPACE_BYTES)
+                + KEYSPACE_BYTES + WAKE_BYTES)
 
     @staticmethod
     def layout(max_batch: int, n_devices: int, page_size: int) -> tuple[int, int, int]:

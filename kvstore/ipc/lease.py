@@ -108,6 +108,8 @@ class Arena:
         self._keep = p
         self.base = p + buffers_offset
         self._states = FFI.cast("uint32_t *", p + states_offset)
+        self.states_c = self._states
+        """``uint32_t *`` to the state words (for compiled code: store-release and load-acquire only)."""
         self.mv = memoryview(buf)
 
     def address(self, i: int) -> Any:
@@ -118,6 +120,15 @@ class Arena:
         """Writable view of buffer ``i``'s payload (``length`` bytes, default the page size)."""
         start = self._off + (i - self.first) * self.bsize + BLOCK
         return self.mv[start:start + (self.page_size if length is None else length)]
+
+    @property
+    def data(self) -> Any:
+        """The segment's buffer the lease lies in."""
+        return self._data
+
+    def payload_offset(self, i: int) -> int:
+        """Where buffer ``i``'s payload starts in ``data``."""
+        return self._off + (i - self.first) * self.bsize + BLOCK
 
     def payload_array(self, i: int) -> np.ndarray[Any, Any]:
         """Buffer ``i``'s payload as a u8 array over the mapping (its own exporter object)."""
@@ -140,6 +151,12 @@ class Arena:
     def cas_state(self, i: int, expected: int, desired: int) -> bool:
         """Hand buffer ``i`` on only if its state is ``expected`` (one atomic step); whether it did."""
         return bool(LIB.kv_cas_u32(self._states + (i - self.first), expected, desired))
+
+    def set_states(self, rel: np.ndarray[Any, Any], state: int) -> None:
+        """Hand buffers ``first + rel`` on (``rel``: int64, lease-relative; store-release each, one
+        call). Only their current owner may call this."""
+        rel = np.ascontiguousarray(rel, dtype=np.int64)
+        LIB.kv_store_release_u32_at(self._states, FFI.from_buffer("int64_t[]", rel), len(rel), state)
 
     def states(self, start: int, count: int) -> np.ndarray[Any, Any]:
         """A snapshot of ``count`` states from ``start`` (for statistics and leak checks)."""

@@ -75,6 +75,13 @@ class Ring:
         self._empty: np.ndarray[Any, Any] = self._recs[:0].copy()
         self._mine: int | None = None  # get_checked: the consumer's own head
 
+    def point(self, dst: Any) -> None:
+        """Point a ``struct kv_ring`` (compiled code's view of a ring) at this ring."""
+        dst.head = self._head
+        dst.tail = self._tail
+        dst.recs = FFI.cast("uint8_t *", self._recs.ctypes.data)
+        dst.mask = self.capacity - 1
+
     @staticmethod
     def nbytes(capacity: int, dtype: np.dtype[Any]) -> int:
         """Bytes a ring of ``capacity`` records of ``dtype`` occupies (a multiple of 64)."""

@@ -101,7 +101,7 @@ def hello(path: str, tenant: str) -> tuple[socket.socket, dict, list[int]]:
     s.settimeout(10)
     s.connect(path)
     # KVS_HELLO_V=3 speaks to a service of the previous version (to show what it let through)
-    body = pack({"v": int(os.environ.get("KVS_HELLO_V", "5")), "op": "hello", "tenant": tenant})
+    body = pack({"v": int(os.environ.get("KVS_HELLO_V", "6")), "op": "hello", "tenant": tenant})
     s.sendall(struct.pack("<I", len(body)) + body)
     head, fds, _flags, _addr = socket.recv_fds(s, 1 << 17, 4)  # the segment comes as a descriptor
     while len(head) < 4:
