@@ -1070,18 +1070,24 @@ class KVCacheClient:
         _, res = self._await(d, seq, len(bufs), deadline, bufs)
         return [int(r) for r in res.tolist()]
 
-    def pin(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+    def pin(self, keys: Sequence[bytes], *, timeout: float | None = None, wait: bool = True) -> int:
         """Pin pages (a shared system prompt, say) so that this server never evicts them.
 
         Only pages held in this server's own areas can be pinned here; pins belong to
         the tenant, outlive this connection, and last until ``unpin`` or a service
         restart. Returns how many of ``keys`` are pinned.
 
+        ``wait=False`` posts the pins and returns 0 at once, without a round trip: the
+        service pins the pages at its next turn, in order with this connection's later
+        requests (an ``unpin`` after it undoes it), and a pin refused by the quota is not
+        reported. For a lock that only keeps pages from being evicted while they are
+        loaded (a get validates what it reads either way).
+
         Raises:
             QuotaExceeded: the tenant's pin quota is reached (the pages before the limit stay pinned).
             TypeError: a key is not ``bytes``.
         """
-        n, quota = self._pin_op(P.OP_PIN, keys, timeout)
+        n, quota = self._pin_op(P.OP_PIN, keys, timeout, wait)
         if quota:
             raise QuotaExceeded(f"{quota} page(s) not pinned: the tenant's pin quota is reached ({n} pinned by "
                                 "this call); unpin some pages or ask for a larger [pin_quotas] entry")
@@ -1091,7 +1097,8 @@ class KVCacheClient:
         """Release this tenant's pins of ``keys``; returns how many were pinned."""
         return self._pin_op(P.OP_UNPIN, keys, timeout)[0]
 
-    def _pin_op(self, op: int, keys: Sequence[bytes], timeout: float | None) -> tuple[int, int]:
+    def _pin_op(self, op: int, keys: Sequence[bytes], timeout: float | None,
+                wait: bool = True) -> tuple[int, int]:
         keys = check_keys(keys)
         ids, _ = key_digests(keys)
         deadline = self._deadline(timeout)
@@ -1102,6 +1109,10 @@ class KVCacheClient:
                 n = min(self.max_batch, len(keys) - start)
                 d = self._acquire(deadline)
                 self._keys(d, ids, start, n)
+                if not wait:  # the answer is not waited for: the descriptor comes back once answered
+                    self._post(d, op, n, 0)
+                    self._abandoned.add(d.index)
+                    continue
                 _, res = self._call(d, op, n, 0, deadline)
                 done += int((res == P.R_PINNED).sum())
                 quota += int((res == P.R_QUOTA).sum())

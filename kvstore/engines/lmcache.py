@@ -23,6 +23,11 @@ or loaded; a lookup answer that is wrong because of it only makes a load miss.
 Locks. ``submit_lookup_and_lock_task`` pins the found pages that this server holds
 (kvstore pins: never evicted while pinned), counted per object so that nested locks
 work; ``submit_unlock`` unpins at the last unlock, and ``close`` unpins what is left.
+The lookup is answered from the shared index and the pins are posted without waiting
+for the service (``pin(wait=False)``): a lookup costs no round trip. The service pins
+at its next turn, before it takes the unpin of a later unlock; a pin the tenant's pin
+quota refuses is not reported (the page may then be evicted before it is loaded: a
+miss, never other bytes).
 Pages held in other servers' areas cannot be pinned from here: their owners keep them
 through the retire grace and hit hints, and a load of one retired meanwhile is a miss.
 
@@ -51,7 +56,7 @@ from typing import Any
 import msgpack
 
 from ..client import KVCacheClient
-from ..errors import KVStoreError, QuotaExceeded
+from ..errors import KVStoreError
 from .pagefit import advice
 
 from lmcache.lmcache_native import Bitmap
@@ -298,11 +303,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 self._locks[k] = (n + 1, pinned)
             if n == 0:
                 to_pin += ks
-        if to_pin:
-            try:
-                c.pin(to_pin)  # pages in other servers' areas are not pinned here (see the docstring)
-            except QuotaExceeded as e:
-                log.warning("kvstore L2 adapter: %s", e)
+        if to_pin:  # posted, not waited for: the lookup answers from the shared index with no round trip
+            c.pin(to_pin, wait=False)  # pages in other servers' areas are not pinned here (see the docstring)
         self._count(lookup_objects=len(keys), lookup_hits=sum(1 for i in range(len(keys)) if found.test(i)))
         return found
 
@@ -347,7 +349,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _load(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
         t0 = time.perf_counter()
         ps = self.page_size
-        # every page of every object, read max_batch pages per call
+        # every page of every object
         wanted: list[tuple[int, int, bytes]] = []  # (object, page, key)
         dsts = []
         for i, (key, obj) in enumerate(zip(keys, objects)):
@@ -356,17 +358,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
             dsts.append((memoryview(obj.byte_array).cast("B")[:size], size))
             wanted += [(i, p, k) for p, k in enumerate(page_keys(key, layout, ps))]
         missing: set[int] = set()
-        for s in range(0, len(wanted), c.max_batch):
-            part = wanted[s:s + c.max_batch]
-            with c.get([k for _, _, k in part]) as views:
-                for (i, p, _), v in zip(part, views):
-                    if v is None or i in missing:
-                        missing.add(i)
-                        continue
-                    dst, size = dsts[i]
-                    off = p * ps
-                    n = min(ps, size - off)
-                    dst[off:off + n] = v[:n]
+        # pipelined: the next pages are read while these are copied into LMCache's buffers
+        for s, views in c.get_many([k for _, _, k in wanted]):
+            for (i, p, _), v in zip(wanted[s:s + len(views)], views):
+                if v is None or i in missing:
+                    missing.add(i)
+                    continue
+                dst, size = dsts[i]
+                off = p * ps
+                n = min(ps, size - off)
+                dst[off:off + n] = v[:n]
         loaded = Bitmap(len(keys))
         accessed = []
         for i, key in enumerate(keys):

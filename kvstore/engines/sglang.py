@@ -221,17 +221,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         t0 = time.perf_counter()
         try:
             c = self._client()
-            for s in range(0, len(keys), c.max_batch):
-                with c.get(pkeys[s:s + c.max_batch]) as views:
-                    for j, v in enumerate(views):
-                        if v is None:
-                            continue
-                        src = np.frombuffer(v, np.uint8).ctypes.data
-                        off = 0
-                        for addr, size in targets[s + j]:
-                            ctypes.memmove(addr, src + off, size)
-                            off += size
-                        out[s + j] = True
+            for s, views in c.get_many(pkeys):  # pipelined: later pages are read while these are copied
+                for j, v in enumerate(views):
+                    if v is None:
+                        continue
+                    src = np.frombuffer(v, np.uint8).ctypes.data
+                    off = 0
+                    for addr, size in targets[s + j]:
+                        ctypes.memmove(addr, src + off, size)
+                        off += size
+                    out[s + j] = True
         except KVStoreError as e:
             log.warning("kvstore HiCache backend: prefetch failed: %s", e)
             self._reset()
@@ -300,17 +299,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         try:
             c = self._client()
             pkeys = self._keys(keys)
-            for s in range(0, len(keys), c.max_batch):
-                with c.get(pkeys[s:s + c.max_batch]) as views:
-                    for j, v in enumerate(views):
-                        if v is None:
-                            continue
-                        t = targets[s + j]
-                        if t is None or not t.is_contiguous():
-                            continue  # nowhere to put it in place (SGLang passes flat contiguous pages)
-                        dst = t.view(torch.uint8).view(-1).numpy()  # the target itself, never a copy
-                        dst[:] = np.frombuffer(v, np.uint8)[:dst.size]
-                        out[s + j] = t
+            for s, views in c.get_many(pkeys):  # pipelined, as batch_get_v1
+                for j, v in enumerate(views):
+                    if v is None:
+                        continue
+                    t = targets[s + j]
+                    if t is None or not t.is_contiguous():
+                        continue  # nowhere to put it in place (SGLang passes flat contiguous pages)
+                    dst = t.view(torch.uint8).view(-1).numpy()  # the target itself, never a copy
+                    dst[:] = np.frombuffer(v, np.uint8)[:dst.size]
+                    out[s + j] = t
         except KVStoreError as e:
             log.warning("kvstore HiCache backend: get failed: %s", e)
             self._reset()

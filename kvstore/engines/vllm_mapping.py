@@ -33,6 +33,7 @@ import secrets
 import threading
 import time
 import warnings
+from contextlib import closing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -564,10 +565,10 @@ class WorkerSide:
         done = 0
         t0 = time.perf_counter()
         try:
-            while done < len(t.keys):
-                batch = self._rank_keys(t.keys[done:done + self.client.max_batch])
-                with self.client.get(batch) as pages, warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
+            # pipelined: the next batches' reads run while this one is copied into the cache
+            with closing(self.client.get_many(self._rank_keys(t.keys))) as batches, warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
+                for _start, pages in batches:
                     for view in pages:
                         if view is None:
                             return t.all_blocks(done)

@@ -18,8 +18,12 @@ For each target device it runs, back to back:
 2. kvstore through the client library (fio and kvstore alternate, ``--repeat`` times;
    medians of the figures and of the per-repetition ratios are reported): put of ``size`` bytes of pages (batches of
    ``max_batch``, completion measured until every page is written), get of all
-   of them in random order (batches of ``max_batch``, every byte checked after
-   the timed part), then single-page gets for latency.
+   of them in random order in batches of 32 kept in flight by ``get_many`` (the
+   pipelined get, each page looked at as a caller copying it out would), the
+   same with synchronous ``get`` calls of 32 (for comparison), every byte
+   checked after the timed part, then single-page gets for latency; also
+   ``put(wait=True)`` in batches of 32 (an engine's save that waits), against
+   fio's write.
 
 It prints GB/s for both, the ratios, and get p50/p99 against fio's qd1 latency.
 Targets: ``shm-loop`` is a loop device over a file in /dev/shm (needs root;
@@ -112,8 +116,8 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
         make_store(home, "bench", [dev], page_size, service=ServiceConfig(client_buffers=64, max_clients=2),
                    worker=wcfg, force=True)
         runs: dict[str, list[dict]] = {k: [] for k in ("fio_write", "fio_randread", "fio_randread_qd1",
-                                                       "fio_randread_verify", "kvstore_put", "kvstore_get",
-                                                       "kvstore_get_qd1")}
+                                                       "fio_randread_verify", "kvstore_put", "kvstore_put_wait32",
+                                                       "kvstore_get", "kvstore_get_sync32", "kvstore_get_qd1")}
         wrong_total = 0
         with ServiceProcess(home, "bench") as svc:
             pages = [np.random.default_rng(i).integers(0, 256, page_size, dtype=np.uint8) for i in range(8)]
@@ -144,13 +148,20 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
                     runs["fio_randread"].append(fio(dev, "randread", slot, wcfg.read_queue_depth, span, data_off))
                     order = list(range(n))
                     random.Random(rep).shuffle(order)
+                    shuffled = [keys[i] for i in order]
                     t0 = time.perf_counter()
                     hits = 0
-                    for s in range(0, n, mb):
-                        with c.get([keys[i] for i in order[s:s + mb]]) as b:
-                            hits += b.hits
+                    for _s, b in c.get_many(shuffled, batch=min(32, mb)):
+                        hits += b.hits
                     t_get = time.perf_counter() - t0
                     runs["kvstore_get"].append({"gbps": hits * page_size / t_get / 1e9, "hits": hits})
+                    t0 = time.perf_counter()
+                    hits = 0
+                    for s in range(0, n, 32):
+                        with c.get(shuffled[s:s + 32]) as b:
+                            hits += b.hits
+                    t_get = time.perf_counter() - t0
+                    runs["kvstore_get_sync32"].append({"gbps": hits * page_size / t_get / 1e9, "hits": hits})
                     # correctness after the timed part: every page byte for byte
                     for s in range(0, n, mb):
                         idx = order[s:s + mb]
@@ -168,6 +179,16 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
                     lat.sort()
                     runs["kvstore_get_qd1"].append({"p50_us": statistics.median(lat) * 1e6,
                                                     "p99_us": lat[int(len(lat) * 0.99) - 1] * 1e6})
+                    # a save that waits for its pages, in batches of 32 (new keys, last: the store evicts
+                    # the ones read above as it fills)
+                    wkeys = [b"benchw/%d/%d" % (rep, i) for i in range(n)]
+                    t0 = time.perf_counter()
+                    stored = 0
+                    for s in range(0, n, 32):
+                        stored += c.put(wkeys[s:s + 32], [pages[(s + j) % 8] for j in range(min(32, n - s))],
+                                        wait=True).stored
+                    t_put = time.perf_counter() - t0
+                    runs["kvstore_put_wait32"].append({"gbps": stored * page_size / t_put / 1e9, "pages": stored})
             snap = sb.snapshot()
             res["service_get_p50_us_bucket"] = snap.get_latency.percentile(50) * 1e6
             res["worker_read_p50_us_bucket"] = snap.read_latency[0].percentile(50) * 1e6
@@ -183,6 +204,10 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
             k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_put"], runs["fio_write"]))
         res["ratio_get_vs_fio_randread"] = statistics.median(
             k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_get"], runs["fio_randread"]))
+        res["ratio_get_sync32_vs_fio_randread"] = statistics.median(
+            k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_get_sync32"], runs["fio_randread"]))
+        res["ratio_put_wait32_vs_fio_write"] = statistics.median(
+            k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_put_wait32"], runs["fio_write"]))
         res["ratio_get_vs_fio_randread_verify"] = statistics.median(
             k["gbps"] / f["gbps"] for k, f in zip(runs["kvstore_get"], runs["fio_randread_verify"]))
         res["get_p50_budget_us"] = 2 * res["fio_randread_qd1"]["p50_us"] + 100
@@ -216,8 +241,10 @@ def main() -> int:
         print(f"  fio write   qd{WorkerConfig().max_inflight_writes:<3}      {r['fio_write']['gbps']:6.2f} GB/s")
         print(f"  kvstore put              {r['kvstore_put']['gbps']:6.2f} GB/s   ratio {r['ratio_put_vs_fio_write']:.2f}")
         print(f"  fio randread qd{WorkerConfig().read_queue_depth:<3}     {r['fio_randread']['gbps']:6.2f} GB/s")
-        print(f"  kvstore get              {r['kvstore_get']['gbps']:6.2f} GB/s   ratio {r['ratio_get_vs_fio_randread']:.2f}"
+        print(f"  kvstore put(wait) of 32  {r['kvstore_put_wait32']['gbps']:6.2f} GB/s   ratio {r['ratio_put_wait32_vs_fio_write']:.2f}")
+        print(f"  kvstore get, 32 in flight {r['kvstore_get']['gbps']:5.2f} GB/s   ratio {r['ratio_get_vs_fio_randread']:.2f}"
               f"   (wrong pages: {r['kvstore_get']['wrong']})")
+        print(f"  kvstore get, sync of 32  {r['kvstore_get_sync32']['gbps']:6.2f} GB/s   ratio {r['ratio_get_sync32_vs_fio_randread']:.2f}")
         print(f"  fio randread qd{WorkerConfig().read_queue_depth:<3} checking every block (--verify=xxhash) "
               f"{r['fio_randread_verify']['gbps']:6.2f} GB/s   kvstore get / this {r['ratio_get_vs_fio_randread_verify']:.2f}")
         print(f"  fio randread qd1   p50 {r['fio_randread_qd1']['p50_us']:8.1f} us  p99 {r['fio_randread_qd1']['p99_us']:8.1f} us")

@@ -56,6 +56,28 @@ def test_pinned_pages_outlive_churn(home: Path, file_devices: Any, services: Any
     del s2
 
 
+def test_pins_posted_without_waiting_take_effect_in_order(home: Path, file_devices: Any, services: Any) -> None:
+    """``pin(wait=False)`` (the LMCache adapter's lock) returns before the service answers; the
+    pins hold through churn all the same, and an unpin after it undoes it (requests of one
+    connection are taken in order)."""
+    store(home, file_devices, 40)
+    svc = services(home, "q")
+    prompt = [b"doc/%d" % i for i in range(8)]
+    with KVCacheClient.connect("q", home=home, tenant="sys") as c:
+        c.put(prompt, [page_bytes(k, PS) for k in prompt], wait=True)
+        for _ in range(12):  # more than the connection's 8 request descriptors: they come back
+            assert c.pin(prompt, wait=False) == 0
+        flood(c, "churn", 400)
+        assert stats(svc).evictions > 300
+        with c.get(prompt) as v:
+            assert all(x is not None and bytes(x) == page_bytes(k, PS).tobytes() for k, x in zip(prompt, v))
+        c.pin(prompt[:4], wait=False)
+        assert c.unpin(prompt[:4]) == 4  # taken after the pin posted before it
+        flood(c, "churn2", 200)
+        assert c.contains(prompt) == [False] * 4 + [True] * 4
+        assert c.unpin(prompt) == 4
+
+
 def test_pin_quota(home: Path, file_devices: Any, services: Any) -> None:
     store(home, file_devices, 40, pin_quotas={"*": 4})
     services(home, "q")
