@@ -190,7 +190,6 @@ class Conn:
     tenant: str = ""
     tenant_id: int = -1
     alive: bool = True
-    busy: Request | None = None
     ops: int = 0            # I/Os in flight that use this connection's buffers
     held: set[int] = field(default_factory=set)      # descriptors the service took and has not answered
     inuse: set[int] = field(default_factory=set)     # buffers the service holds for this connection

@@ -87,10 +87,13 @@ class Requests:
 
     # ---- requests ----------------------------------------------------------------------------
     def serve(self) -> int:
-        """Take at most one request per connection per loop turn (no client can starve another)."""
+        """Take at most one request per connection per loop turn (no client can starve another).
+        A connection may have several requests in flight (a put's sub-batches, gets in flight
+        beside it): each holds its own buffers of the connection's lease (``take`` refuses a
+        buffer another request holds), so the lease bounds what one connection has queued."""
         n = 0
         for conn in list(self.clients.conns.values()):
-            if not conn.alive or conn.busy is not None:
+            if not conn.alive:
                 continue
             try:
                 m = conn.chan.requests.get_checked()
@@ -112,11 +115,8 @@ class Requests:
         return n
 
     def _respond(self, req: Request, status: int = P.S_OK, value: int = 0) -> None:
-        conn = req.conn
         req.responded = True
-        if conn.busy is req:
-            conn.busy = None
-        answer(conn, req.desc, req.seq, status, value, req.results)
+        answer(req.conn, req.desc, req.seq, status, value, req.results)
 
     def _handle(self, req: Request) -> None:
         op = req.op
@@ -132,7 +132,6 @@ class Requests:
             return self._lookup(req, words)
         if op in (P.OP_PIN, P.OP_UNPIN):
             return self._pin(req, words, op == P.OP_PIN)
-        req.conn.busy = req
         if op == P.OP_GET:
             return self._get(req, words)
         return self._put(req, words)
