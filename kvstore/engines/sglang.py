@@ -191,22 +191,28 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         if not keys:
             return []
-        pages = []
-        for pieces in self._pieces(host_indices, len(keys)):
-            page = np.zeros(self.page_bytes, np.uint8)
-            off, base = 0, page.ctypes.data
-            for addr, size in pieces:
-                ctypes.memmove(base + off, addr, size)
-                off += size
-            pages.append(page)
+        targets = self._pieces(host_indices, len(keys))
+        pkeys = self._keys(keys)
         try:
             c = self._client()
             t0 = time.perf_counter()
-            r = c.put(self._keys(keys), pages, wait=True)
-            self._record("backup", r.stored, t0)  # pages written (a page already stored moves nothing)
-            if r.dropped == 0 and r.stored + r.skipped == len(keys):
+            stored = skipped = dropped = 0
+            for s in range(0, len(keys), c.max_batch):
+                # one copy: from SGLang's host pool straight into the buffers the device is written from
+                with c.reserve(min(c.max_batch, len(keys) - s)) as res:
+                    for j in range(len(res)):
+                        base = np.frombuffer(res[j], np.uint8).ctypes.data
+                        off = 0
+                        for addr, size in targets[s + j]:
+                            ctypes.memmove(base + off, addr, size)
+                            off += size
+                        ctypes.memset(base + off, 0, self.page_bytes - off)  # nothing of an earlier page
+                    r = res.commit(pkeys[s:s + len(res)], wait=True)
+                stored, skipped, dropped = stored + r.stored, skipped + r.skipped, dropped + r.dropped
+            self._record("backup", stored, t0)  # pages written (a page already stored moves nothing)
+            if dropped == 0 and stored + skipped == len(keys):
                 return [True] * len(keys)
-            return c.contains(self._keys(keys))  # some were dropped: say which are there
+            return c.contains(pkeys)  # some were dropped: say which are there
         except KVStoreError as e:
             log.warning("kvstore HiCache backend: write-back failed: %s", e)
             self._reset()

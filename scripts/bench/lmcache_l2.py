@@ -13,7 +13,10 @@ over four adapters, each on a fresh file under ``--dir`` (one file system for al
 * ``raw_block``: LMCache's raw-block adapter on a pre-sized file (O_DIRECT, its default);
 * ``fs``: LMCache's Python file adapter (through the page cache: its loads come from memory).
 
-Reports the median store and load throughput of each and kvstore's ratio to each. What
+Reports the median store and load throughput of each and kvstore's ratio to each, and the
+median of the harness's own p50 lookup-and-lock round (4 tasks of 32 keys in flight). With
+``--qd1`` each run is one object in flight, one key, 20 rounds instead: the p50 store, load
+and lookup round of a single object (queue depth 1). What
 ``--no-skip-verify`` checks is weak (the last round only, one byte pattern per key index):
 correctness is shown by tests/engines/lmcache_verify_keys.py, not by this benchmark.
 """
@@ -37,12 +40,15 @@ ADAPTERS = ("kvstore", "fs_native_odirect", "raw_block", "fs")
 KEYS, IN_FLIGHT, ROUNDS = 32, 4, 5  # per bench run: KEYS x IN_FLIGHT objects a round, each a fresh key
 
 
+SHAPE = {"keys": KEYS, "in_flight": IN_FLIGHT, "rounds": ROUNDS}  # --qd1: 1 key, 1 in flight, 20 rounds
+
+
 def bench(spec: dict[str, object], out: Path, home: Path, size_kb: int) -> dict[str, float]:
     env = dict(os.environ, MASS_HOME=str(home), PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false",
                LMCACHE_DISABLE_BANNER="1", PYTHONWARNINGS="ignore")
     r = subprocess.run([str(LMCACHE), "bench", "l2", "--l2-adapter", json.dumps(spec), "--no-skip-verify",
-                        "--data-size-kb", str(size_kb), "--num-keys", str(KEYS), "--in-flight", str(IN_FLIGHT), "--rounds",
-                        str(ROUNDS), "--l1-align-bytes", "4096", "--format", "json", "--output", str(out)], env=env, capture_output=True,
+                        "--data-size-kb", str(size_kb), "--num-keys", str(SHAPE["keys"]), "--in-flight",
+                        str(SHAPE["in_flight"]), "--rounds", str(SHAPE["rounds"]), "--l1-align-bytes", "4096", "--format", "json", "--output", str(out)], env=env, capture_output=True,
                        text=True, timeout=900, cwd="/")
     if r.returncode or "verified OK" not in r.stdout + r.stderr:
         raise SystemExit(f"lmcache bench l2 failed ({spec['type']}):\n{(r.stdout + r.stderr)[-3000:]}")
@@ -51,7 +57,9 @@ def bench(spec: dict[str, object], out: Path, home: Path, size_kb: int) -> dict[
     for op in ("Store", "Load"):
         if ops[op]["total_success"] != ops[op]["total_keys"]:
             raise SystemExit(f"{spec['type']}: {op} succeeded for {ops[op]['total_success']}/{ops[op]['total_keys']}")
-    return {"store_mbps": ops["Store"]["throughput_avg_mbps"], "load_mbps": ops["Load"]["throughput_avg_mbps"]}
+    return {"store_mbps": ops["Store"]["throughput_avg_mbps"], "load_mbps": ops["Load"]["throughput_avg_mbps"],
+            "store_p50_ms": ops["Store"]["duration_p50_ms"], "load_p50_ms": ops["Load"]["duration_p50_ms"],
+            "lookup_p50_ms": ops["Lookup"]["duration_p50_ms"]}
 
 
 def sparse(path: Path, size: int) -> Path:
@@ -64,7 +72,7 @@ def sparse(path: Path, size: int) -> Path:
 def one(adapter: str, work: Path, size_kb: int, r: int) -> dict[str, float]:
     """One bench run of ``adapter`` on fresh files under ``work``."""
     obj = size_kb << 10
-    objects = KEYS * IN_FLIGHT * ROUNDS  # all of them stay loadable: room for every one, and a quarter more
+    objects = SHAPE["keys"] * SHAPE["in_flight"] * SHAPE["rounds"]  # all stay loadable: room for all, and a quarter
     home = work / f"mass-{size_kb}-{r}"
     if adapter == "kvstore":
         dev = sparse(work / "kv.img", (1 << 20) + objects * 5 // 4 * (4096 + obj))
@@ -92,7 +100,10 @@ def main() -> None:
     ap.add_argument("--sizes-kb", type=int, nargs="+", default=[256, 2048], help="object sizes (KiB)")
     ap.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=ADAPTERS)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the device files and directories go")
+    ap.add_argument("--qd1", action="store_true", help="one object in flight, one key, 20 rounds: latencies")
     a = ap.parse_args()
+    if a.qd1:
+        SHAPE.update(keys=1, in_flight=1, rounds=20)
     if not LMCACHE.exists():
         raise SystemExit(f"{LMCACHE} missing: run scripts/setup")
     if "raw_block" in a.adapters and subprocess.run([str(LMCACHE.parent / "python"), "-c",
@@ -108,16 +119,19 @@ def main() -> None:
             for r in range(a.rounds):  # interleaved: each round runs every adapter once
                 for k in a.adapters:
                     runs[k].append(one(k, work, size, r))
-            med = {k: {m: statistics.median(x[m] for x in v) for m in ("store_mbps", "load_mbps")}
-                   for k, v in runs.items()}
-            ratios = {k: {m: med["kvstore"][m] / med[k][m] for m in ("store_mbps", "load_mbps")}
+            fields = ("store_mbps", "load_mbps", "store_p50_ms", "load_p50_ms", "lookup_p50_ms")
+            med = {k: {m: statistics.median(x[m] for x in v) for m in fields} for k, v in runs.items()}
+            ratios = {k: {m: med["kvstore"][m] / med[k][m] for m in fields}
                       for k in a.adapters if k != "kvstore" and "kvstore" in med}
-            res[f"{size}KiB"] = {"runs": runs, "median": med, "kvstore_ratio": ratios}
-            print(f"{size} KiB objects, medians of {a.rounds}:")
+            res[f"{size}KiB"] = {"shape": dict(SHAPE), "runs": runs, "median": med, "kvstore_ratio": ratios}
+            print(f"{size} KiB objects, {SHAPE['keys']} keys x {SHAPE['in_flight']} in flight, medians of {a.rounds}:")
             for k in a.adapters:
-                print(f"  {k:18s} store {med[k]['store_mbps']:7.0f} MB/s  load {med[k]['load_mbps']:7.0f} MB/s")
+                m = med[k]
+                print(f"  {k:18s} store {m['store_mbps']:7.0f} MB/s  load {m['load_mbps']:7.0f} MB/s   p50 round: "
+                      f"store {m['store_p50_ms']:.2f} ms  load {m['load_p50_ms']:.2f} ms  lookup {m['lookup_p50_ms']:.3f} ms")
             for k, q in ratios.items():
-                print(f"  kvstore / {k:18s} store {q['store_mbps']:.2f}x  load {q['load_mbps']:.2f}x")
+                print(f"  kvstore / {k:18s} store {q['store_mbps']:.2f}x  load {q['load_mbps']:.2f}x   p50 round: "
+                      f"store {q['store_p50_ms']:.2f}x  load {q['load_p50_ms']:.2f}x  lookup {q['lookup_p50_ms']:.2f}x")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res["note"] = ("fs: page cache (its loads come from memory); fs_native_odirect, raw_block and kvstore: O_DIRECT "
