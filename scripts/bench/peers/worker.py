@@ -70,14 +70,13 @@ def main() -> None:
                     r = c.put(keys[s:s + batch], [pages[i % 8] for i in idx[s:s + batch]], wait=last)
                     out["missing"] += r.dropped
             else:
-                b = min(batch, c.max_batch)
-                for s in range(0, count, b):
-                    with c.get(keys[s:s + b]) as v:
-                        for i, x in zip(idx[s:s + b], v):
-                            if x is None:
-                                out["missing"] += 1
-                            else:
-                                out["wrong"] += int(not np.array_equal(np.frombuffer(x, np.uint8), pages[i % 8]))
+                # pipelined (get_many: the next batches are read while this one is checked)
+                for s, v in c.get_many(keys):
+                    for i, x in zip(idx[s:s + len(v)], v):
+                        if x is None:
+                            out["missing"] += 1
+                        else:
+                            out["wrong"] += int(not np.array_equal(np.frombuffer(x, np.uint8), pages[i % 8]))
             out["seconds"] = time.perf_counter() - t0
             if op == "load" and args.get("latency"):
                 for i in idx[:args["latency"]]:
