@@ -276,11 +276,7 @@ class PendingGet:
                 raise ClosedError("this get was cancelled")
             c._check_open()
             r, self._reads = self._reads, None
-            try:
-                self._batch = c._finish_direct(r)
-            except BaseException:
-                c._abandon(r)
-                raise
+            self._batch = c._finish_direct(r)  # gives the reads up itself if it raises
             return self._batch
 
     def cancel(self) -> None:
@@ -293,10 +289,15 @@ class PendingGet:
         if self._batch is not None:
             self._batch.release()
 
-    def __del__(self) -> None:
-        r = self._reads
-        if r is not None:  # never waited for: its buffers come back (``_reclaim_orphans``)
+    def _forget(self) -> None:
+        """Give the reads up without the client's lock (a finalizer may run while the lock is
+        held, by this thread): they are given up at the client's next call (``_reclaim_orphans``)."""
+        r, self._reads = self._reads, None
+        if r is not None:
             self._client._dropped.append(r)
+
+    def __del__(self) -> None:
+        self._forget()  # never waited for: its buffers come back
 
 
 class KVCacheClient:
@@ -807,7 +808,16 @@ class KVCacheClient:
         return not k
 
     def _finish_direct(self, r: _Reads) -> PageBatch:
-        """Wait for the workers' answers to the reads of ``r`` (caller holds the lock)."""
+        """Wait for the workers' answers to the reads of ``r`` (caller holds the lock); on any
+        exception the reads are given up (their buffers come back)."""
+        try:
+            return self._await_direct(r)
+        except BaseException:
+            if r.bufs:
+                self._abandon(r)
+            raise
+
+    def _await_direct(self, r: _Reads) -> PageBatch:
         ch, lease0 = self._chan, self._lease.start
         # a read of one or two pages is over in a few hundred microseconds: poll for it (yielding
         # the core) rather than sleep, which adds a scheduler wake-up
@@ -817,7 +827,6 @@ class KVCacheClient:
             self._check_service()
             rest = r.deadline - time.monotonic()
             if rest <= 0:
-                self._abandon(r)
                 raise Timeout("the device workers did not finish the reads within the timeout; "
                               "treat these pages as misses")
             if time.monotonic() < poll_until:
@@ -830,7 +839,8 @@ class KVCacheClient:
             if self._arena.state(lease0 + b) == A.CLIENT and ch.done_seq(b) == seq:
                 continue
             self._wake.wait(min(rest, 0.05))
-        batch = self._views(r.bufs, r.good.tolist())
+        bufs, r.bufs = r.bufs, []  # the batch's from here on
+        batch = self._views(bufs, r.good.tolist())
         c = ch.counters
         c[P.C_GETS] += 1
         c[P.C_GET_KEYS] += len(r.good)
@@ -852,8 +862,8 @@ class KVCacheClient:
             else:  # being read: the worker hands it back (and unpins it) when done
                 self._orphans.add(lease0 + b)
         r.rows, r.lbs, r.seqs = _NONE, _NONE, _NONE_U64
-        r.bufs = [b for b in r.bufs if b not in out]
-        self._views(r.bufs, [False] * len(r.bufs)).release()
+        rest, r.bufs = [b for b in r.bufs if b not in out], []
+        self._views(rest, [False] * len(rest)).release()
 
     def get_async(self, keys: Sequence[bytes], *, timeout: float | None = None) -> PendingGet:
         """Start reading the pages of ``keys``; ``result()`` of the returned ``PendingGet``
@@ -930,9 +940,9 @@ class KVCacheClient:
                 start, pending = flight.popleft()
                 with pending.result() as b:
                     yield start, b
-        finally:
+        finally:  # (this may run as a finalizer, with the client's lock held by this very thread)
             for _start, pending in flight:
-                pending.cancel()
+                pending._forget()
 
     def put(self, keys: Sequence[bytes], pages: Sequence[Any], *, wait: bool = False,
             timeout: float | None = None) -> PutResult:

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 /* xxh3 from libxxhash, on x86_64 through its runtime dispatch, which picks AVX-512 or AVX2

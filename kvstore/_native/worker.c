@@ -394,15 +394,37 @@ static int kv_take_direct(struct kv_worker *w, int room, uint64_t now, int32_t *
                 break;
             }
             uint32_t i = c->lease_start + d.buf;
-            uint32_t expected = kv_tagged(KV_A_DIRECT, c->gen);
+            if (__atomic_load_n(&c->dseq[d.buf], __ATOMIC_ACQUIRE) != d.seq) {
+                /* a stale record (its read was taken back, the buffer perhaps posted again since,
+                   maybe to another device): skipped without touching the buffer's state, which a
+                   worker taking the record of its current read may be about to swap; it costs
+                   no I/O slot, so it does not count against the turn's share */
+                mine--;
+                continue;
+            }
             /* busy before the buffer is taken: the supervisor takes a gone client's posted
                buffers back (DIRECT -> FREE), fences, and frees the lease only when no worker is
                busy with it, so one of the two sees the other (a state word, which the client
                can write, is never what keeps or frees a connection) */
             __atomic_store_n(c->busy, *c->busy + 1, __ATOMIC_RELEASE);
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
-            if (!__atomic_compare_exchange_n(&c->states[d.buf], &expected, kv_tagged(KV_A_READING, c->gen), 0,
-                                             __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            int took = 0;
+            for (int tries = 0; tries < 8; tries++) {
+                uint32_t expected = kv_tagged(KV_A_DIRECT, c->gen);
+                if (__atomic_compare_exchange_n(&c->states[d.buf], &expected, kv_tagged(KV_A_READING, c->gen), 0,
+                                                __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                    took = 1;
+                    break;
+                }
+                /* READING while its dseq is still this record's: another worker swapped it for
+                   an instant for a stale record of the buffer (it swaps it back once it sees
+                   dseq): yield and try again; anything else is final */
+                if (expected != kv_tagged(KV_A_READING, c->gen)
+                        || __atomic_load_n(&c->dseq[d.buf], __ATOMIC_ACQUIRE) != d.seq)
+                    break;
+                sched_yield();
+            }
+            if (!took) {
                 __atomic_store_n(c->busy, *c->busy - 1, __ATOMIC_RELEASE);
                 continue;  /* taken back by the client (timed out), or not this connection's to give */
             }

@@ -331,9 +331,14 @@ class KVStoreL2Adapter(L2AdapterInterface):
         def task(client: Callable[[], KVCacheClient]) -> None:
             client().unpin(pkeys)
 
-        try:  # must not be lost: on a full queue, unpin on a connection of its own
-            self._reader.tasks.put_nowait(task)
+        # must not be lost, and must follow the pins it undoes (posted on the reader's connection
+        # without waiting: an unpin on another connection could overtake them and leave them
+        # pinned for good): on a full queue, wait for room; only past that, a connection of its own
+        try:
+            self._reader.tasks.put(task, timeout=60)
         except queue.Full:
+            log.warning("kvstore L2 adapter: the read queue stayed full for 60 s; unpinning on a new connection "
+                        "(a lock posted just before may stay pinned)")
             with self._reader._connect() as c:
                 task(lambda: c)
 

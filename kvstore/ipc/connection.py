@@ -46,7 +46,7 @@ Connection segment layout (``ClientChannel``)::
     counters     COUNTERS_WORDS u64, written by the client only (the service adds what they
                  grew by to its stats): lookups, keys looked up, gets, keys asked for in
                  gets, pages missed in gets, then HIST_BUCKETS of direct-get latency
-    direct       per device, a Ring of DIRECT_REQ (capacity: max_batch rounded up to a
+    direct       per device, a Ring of DIRECT_REQ (capacity: 2 x max_batch rounded up to a
                  power of two), client -> that device's I/O worker
     per buffer of the lease (max_batch each):
                  pins   i64  client: slot (gid) its direct read into this buffer pins, -1 none
@@ -116,7 +116,7 @@ from .._native.lib import FFI, LIB
 from ..shm.ring import Ring
 
 VERSION = 6  # 4: wake-ups are FIFOs, the client's sent as a second descriptor; 5: the channel's keyspace;
-            # 6: the channel's wake word
+            # 6: the channel's wake word, direct-read rings of twice the lease
 MAX_FRAME = 1 << 16
 HELLO_DEADLINE_S = 2.0   # a hello must be complete this long after connect
 LISTEN_BACKLOG = 1024    # connections the kernel queues for accept (capped by net.core.somaxconn)
@@ -251,9 +251,12 @@ class Descriptor:
 
 
 def direct_capacity(max_batch: int) -> int:
-    """Records of one direct-read ring: ``max_batch`` rounded up to a power of two."""
+    """Records of one direct-read ring: twice ``max_batch``, rounded up to a power of two. Twice:
+    reads a client gave up on (a timeout, a cancelled or dropped ``get_async``) leave their
+    records in the ring until the worker skips them, and a lease's worth of those must not
+    leave the next lease's worth of reads without room (each would be a miss)."""
     cap = 1
-    while cap < max_batch:
+    while cap < 2 * max_batch:
         cap *= 2
     return cap
 

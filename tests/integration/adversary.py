@@ -135,7 +135,7 @@ class Conn:
         o = r64(128 + 8 * 16)
         o += 8 * r64(64 + mb * (32 + 12 + 8))
         o += r64(8 * 37)
-        cap = pow2(mb)
+        cap = pow2(2 * mb)
         self.cap = cap
         self.direct = []
         for _ in range(ndev):

@@ -72,7 +72,7 @@ def test_direct_ring_full_of_stale_reads_gives_misses_then_recovers(file_devices
         worker = svc.worker_pids()[0]
         os.kill(worker, signal.SIGSTOP)
         try:
-            for _ in range(2):  # 8 + 8 reads left in the ring of 16
+            for _ in range(4):  # 4 x 8 reads left in the ring of 32 (twice the lease)
                 with pytest.raises(Timeout):
                     c.get(keys[:8], timeout=0.3)
             for _ in range(3):
