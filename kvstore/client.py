@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -899,7 +899,7 @@ class KVCacheClient:
             return PendingGet(self, self._post_direct(ids, words, gids, deadline, t0), None)
 
     def get_many(self, keys: Sequence[bytes], *, batch: int | None = None,
-                 timeout: float | None = None) -> Iterator[tuple[int, PageBatch]]:
+                 timeout: float | None = None) -> Generator[tuple[int, PageBatch], None, None]:
         """Read the pages of any number of ``keys``: yields ``(start, PageBatch)`` for
         ``keys[start:start + batch]`` in order, while the next batches' reads are already in
         flight (``get_async``), so one caller keeps the devices busy while it copies pages out.
@@ -925,7 +925,8 @@ class KVCacheClient:
             raise ValueError(f"batch of {step} keys: between 1 and max_batch ({self.max_batch})")
         return self._get_many(keys, step, timeout)
 
-    def _get_many(self, keys: list[bytes], step: int, timeout: float | None) -> Iterator[tuple[int, PageBatch]]:
+    def _get_many(self, keys: list[bytes], step: int, timeout: float | None
+                  ) -> Generator[tuple[int, PageBatch], None, None]:
         depth = max(1, self.max_batch // step)  # batches whose buffers the lease holds at once
         flight: deque[tuple[int, PendingGet]] = deque()
         nxt = 0
