@@ -1104,9 +1104,11 @@ class KVCacheClient:
                                 "this call); unpin some pages or ask for a larger [pin_quotas] entry")
         return n
 
-    def unpin(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
-        """Release this tenant's pins of ``keys``; returns how many were pinned."""
-        return self._pin_op(P.OP_UNPIN, keys, timeout)[0]
+    def unpin(self, keys: Sequence[bytes], *, timeout: float | None = None, wait: bool = True) -> int:
+        """Release this tenant's pins of ``keys``; returns how many were pinned (0 with
+        ``wait=False``: posted without waiting, taken in order with this connection's other
+        requests, as ``pin(wait=False)``)."""
+        return self._pin_op(P.OP_UNPIN, keys, timeout, wait)[0]
 
     def _pin_op(self, op: int, keys: Sequence[bytes], timeout: float | None,
                 wait: bool = True) -> tuple[int, int]:

@@ -31,11 +31,15 @@ miss, never other bytes).
 Pages held in other servers' areas cannot be pinned from here: their owners keep them
 through the retire grace and hit hints, and a load of one retired meanwhile is a miss.
 
-Tasks run on two threads, each with its own kvstore connection: stores on one, lookups,
-loads and unlocks on the other, so loads never queue behind stores. Completion is
-signalled through three event fds as LMCache's controllers expect. A task that fails
-(the service restarting, a timeout) completes as failed; the threads live on and
-reconnect for the next task.
+Tasks run on two threads, each with its own kvstore connection: stores on one, loads on
+the other, so loads never queue behind stores. Lookups and unlocks use a third connection
+in the caller's thread: a lookup is answered from the shared index and its pins are
+posted without waiting, so it completes before ``submit_lookup_and_lock_task`` returns,
+with no thread hop. The read lane opens that connection, at the first lookup (which it
+answers): a stalled service never holds LMCache's thread in a handshake, and no call on
+that connection waits for the service longer than ``LOOKUP_WAIT_S``. Completion is signalled through three event fds as LMCache's controllers expect. A
+task that fails (the service restarting, a timeout) completes as failed; the threads live
+on and reconnect for the next task.
 
 Status. ``report_status`` (LMCache's status API) adds counters since start: objects and
 bytes stored and loaded, failed stores and loads, lookups and their hits, and the
@@ -56,7 +60,7 @@ from typing import Any
 import msgpack
 
 from ..client import KVCacheClient
-from ..errors import KVStoreError
+from ..errors import KVStoreError, Timeout
 from .pagefit import advice
 
 from lmcache.lmcache_native import Bitmap
@@ -69,6 +73,9 @@ log = logging.getLogger(__name__)
 NAMESPACE = b"lmcache-l2\0"
 #: Tasks waiting per thread; a submit beyond it completes at once as failed (never blocks LMCache).
 QUEUE_DEPTH = 1024
+#: Longest a lookup or unlock may wait for the service (a stall): past it, a lookup finds nothing
+#: (a miss), a lock pins nothing (a hint), an unlock goes to the read lane.
+LOOKUP_WAIT_S = 0.05
 
 
 #: An object's layout as it goes into its keys: (size in bytes, ((shape, dtype), ...)).
@@ -178,8 +185,14 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._stats = dict.fromkeys(("stored_objects", "stored_bytes", "store_failed_objects", "store_s",
                                      "lookup_objects", "lookup_hits", "loaded_objects", "loaded_bytes",
                                      "load_failed_objects", "load_s"), 0.0)
+        self._connect = connect
         self._writer = _Lane("kvstore-l2-store", connect)
         self._reader = _Lane("kvstore-l2-read", connect)
+        # lookups and unlocks: a connection of their own, used in the caller's thread (pins and
+        # the unpins that undo them on one connection: its requests are taken in order)
+        self._lk = threading.Lock()
+        self._lk_client: KVCacheClient | None = None
+
         self._writer.start()
         self._reader.start()
 
@@ -284,14 +297,71 @@ class KVStoreL2Adapter(L2AdapterInterface):
             g = int(k.object_group_id)
             lay = desc_layout(group_layout_descs.get(g)) if group_layout_descs else (0, ())
             layouts.append(lay if lay[0] else self._layouts.get(g))
+        with self._lk:
+            c = self._lk_client
+            if c is not None:  # in this thread, no hop: answered from the shared index, pins posted
+                try:
+                    found = self._lookup_and_lock(c, keys, layouts)
+                except Timeout:  # the index is being rebuilt and the service stalls: misses
+                    found = Bitmap(len(keys))
+                except KVStoreError:
+                    self._drop_lookup_client()
+                    found = None
+                if found is not None:
+                    task_id = next(self._ids)
+                    self._done("lookup", self._lookups, task_id, found)
+                    return task_id
+        # no lookups' connection yet (or it failed): the read lane opens one (a handshake may wait
+        # for the service, which LMCache's thread must not) and answers this lookup on it
         return self._submit(self._reader, "lookup", self._lookups, lambda: Bitmap(len(keys)),
-                            lambda c: self._lookup_and_lock(c, keys, layouts), len(keys))
+                            lambda _c: self._lookup_on_lane(keys, layouts), len(keys))
+
+    def _lookup_client(self) -> KVCacheClient:
+        """(On the read lane.) The lookups' connection, opened if there is none."""
+        with self._lk:
+            c = self._lk_client
+        if c is not None:
+            return c
+        new: KVCacheClient | None = self._connect()  # outside the lock: LMCache's thread may want it
+        with self._lk:
+            if self._lk_client is None:
+                self._lk_client, new = new, None
+            c = self._lk_client
+        if new is not None:
+            new.close()
+        assert c is not None
+        return c
+
+    def _drop_lookup_client(self) -> None:
+        """(Holding ``_lk``.) The lookups' connection failed: close it; the next lookup opens another."""
+        c, self._lk_client = self._lk_client, None
+        if c is not None:
+            try:
+                c.close()
+            except KVStoreError:
+                pass
+
+    def _lookup_on_lane(self, keys: Sequence[Any], layouts: Sequence[Layout | None]) -> Any:
+        """(On the read lane.) A lookup before the lookups' connection was open, on it."""
+        self._lookup_client()
+        with self._lk:
+            if self._lk_client is None:
+                raise KVStoreError("the lookups' connection closed")
+            try:
+                return self._lookup_and_lock(self._lk_client, keys, layouts)
+            except Timeout:
+                return Bitmap(len(keys))
+            except KVStoreError:
+                self._drop_lookup_client()
+                raise
 
     def _lookup_and_lock(self, c: KVCacheClient, keys: Sequence[Any], layouts: Sequence[Layout | None]) -> Any:
+        """(Holding ``_lk``.) Never waits for the service longer than ``LOOKUP_WAIT_S``."""
+        timeout = LOOKUP_WAIT_S
         found = Bitmap(len(keys))
         per = [page_keys(k, lay, self.page_size) if lay else [] for k, lay in zip(keys, layouts)]
         flat = [pk for ks in per for pk in ks]
-        have = iter(c.contains(flat)) if flat else iter(())
+        have = iter(c.contains(flat, timeout=timeout)) if flat else iter(())
         to_pin: list[bytes] = []
         for i, (k, ks) in enumerate(zip(keys, per)):
             hit = bool(ks) and all([next(have) for _ in ks])
@@ -304,7 +374,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if n == 0:
                 to_pin += ks
         if to_pin:  # posted, not waited for: the lookup answers from the shared index with no round trip
-            c.pin(to_pin, wait=False)  # pages in other servers' areas are not pinned here (see the docstring)
+            try:  # pages in other servers' areas are not pinned here (see the docstring)
+                c.pin(to_pin, wait=False, timeout=timeout)
+            except Timeout:  # every request slot still the service's (a stall): a lock is only a hint
+                log.warning("kvstore L2 adapter: the service is slow; %d pages not pinned", len(to_pin))
         self._count(lookup_objects=len(keys), lookup_hits=sum(1 for i in range(len(keys)) if found.test(i)))
         return found
 
@@ -328,18 +401,25 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._unpin(release)
 
     def _unpin(self, pkeys: list[bytes]) -> None:
+        """On the lookups' connection, after the pins it undoes (its requests are taken in order:
+        an unpin on another connection could overtake them and leave them pinned for good),
+        posted without waiting. Without that connection (it failed, and with it whatever of its
+        pins the service had not taken), on the read lane's."""
+        with self._lk:
+            if self._lk_client is not None:
+                try:
+                    self._lk_client.unpin(pkeys, wait=False, timeout=LOOKUP_WAIT_S)
+                    return
+                except KVStoreError:
+                    self._drop_lookup_client()
+
         def task(client: Callable[[], KVCacheClient]) -> None:
             client().unpin(pkeys)
 
-        # must not be lost, and must follow the pins it undoes (posted on the reader's connection
-        # without waiting: an unpin on another connection could overtake them and leave them
-        # pinned for good): on a full queue, wait for room; only past that, a connection of its own
-        try:
+        try:  # must not be lost: on a full queue, wait for room
             self._reader.tasks.put(task, timeout=60)
         except queue.Full:
-            log.warning("kvstore L2 adapter: the read queue stayed full for 60 s; unpinning on a new connection "
-                        "(a lock posted just before may stay pinned)")
-            with self._reader._connect() as c:
+            with self._connect() as c:
                 task(lambda: c)
 
     # ---- load ------------------------------------------------------------------------------
@@ -401,6 +481,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
             lane.tasks.put(None, timeout=30)
         for lane in (self._writer, self._reader):
             lane.join(30)
+        with self._lk:
+            if self._lk_client is not None:
+                try:
+                    self._lk_client.ping()  # the unpins posted are taken before the connection goes
+                except KVStoreError:
+                    pass
+            self._drop_lookup_client()
         for e in self._efd.values():
             e.close()
 
