@@ -106,13 +106,24 @@ def object_layout(obj: Any) -> Layout:
     return int(obj.get_size()), _layout(shapes, dtypes)[1]
 
 
-def page_keys(key: Any, layout: Layout, page_size: int) -> list[bytes]:
+def page_keys(key: Any, layout: Layout, page_size: int, tail: bytes | None = None) -> list[bytes]:
     """The kvstore page keys of LMCache object ``key`` of ``layout``: the layout (size, shapes,
-    dtypes) is part of them, so an object of another layout never matches."""
-    size, parts = layout
-    base = NAMESPACE + msgpack.packb([key.model_name, int(key.kv_rank), int(key.object_group_id), key.cache_salt,
-                                      bytes(key.chunk_hash), int(size), [[list(sh), dt] for sh, dt in parts]])
+    dtypes) is part of them, so an object of another layout never matches. The key's msgpack
+    array is ``[model, rank, group, salt, chunk hash, size, layout]``; ``tail`` is
+    ``layout_tail(layout)``, for callers that make the keys of many objects of one layout."""
+    size = layout[0]
+    head = msgpack.packb([key.model_name, int(key.kv_rank), int(key.object_group_id), key.cache_salt,
+                          bytes(key.chunk_hash)])
+    # the 7-element array's header, then the five fields packed above (without their own
+    # 5-element header), then size and layout: byte for byte what packing all seven gives
+    base = NAMESPACE + b"\x97" + head[1:] + (layout_tail(layout) if tail is None else tail)
     return [base + i.to_bytes(4, "little") for i in range(max(1, -(-size // page_size)))]
+
+
+def layout_tail(layout: Layout) -> bytes:
+    """The last two fields of an object's key array (``page_keys``): its size and layout, packed."""
+    size, parts = layout
+    return msgpack.packb(int(size)) + msgpack.packb([[list(sh), dt] for sh, dt in parts])
 
 
 class _Lane(threading.Thread):
@@ -293,10 +304,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
     # ---- lookup and lock -------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: dict[int, Any]) -> int:
         layouts: list[Layout | None] = []
+        by_group: dict[int, Layout | None] = {}  # one layout per object group: worked out once a call
         for k in keys:
             g = int(k.object_group_id)
-            lay = desc_layout(group_layout_descs.get(g)) if group_layout_descs else (0, ())
-            layouts.append(lay if lay[0] else self._layouts.get(g))
+            if g not in by_group:
+                lay = desc_layout(group_layout_descs.get(g)) if group_layout_descs else (0, ())
+                by_group[g] = lay if lay[0] else self._layouts.get(g)
+            layouts.append(by_group[g])
         with self._lk:
             c = self._lk_client
             if c is not None:  # in this thread, no hop: answered from the shared index, pins posted
@@ -359,7 +373,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         """(Holding ``_lk``.) Never waits for the service longer than ``LOOKUP_WAIT_S``."""
         timeout = LOOKUP_WAIT_S
         found = Bitmap(len(keys))
-        per = [page_keys(k, lay, self.page_size) if lay else [] for k, lay in zip(keys, layouts)]
+        tails: dict[Layout, bytes] = {}
+        per = [page_keys(k, lay, self.page_size, tails.get(lay) or tails.setdefault(lay, layout_tail(lay)))
+               if lay else [] for k, lay in zip(keys, layouts)]
         flat = [pk for ks in per for pk in ks]
         have = iter(c.contains(flat, timeout=timeout)) if flat else iter(())
         to_pin: list[bytes] = []
@@ -500,4 +516,4 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 "store_queue": self._writer.tasks.qsize(), "read_queue": self._reader.tasks.qsize(), **stats}
 
 
-__all__ = ["KVStoreL2Adapter", "desc_layout", "object_layout", "page_keys"]
+__all__ = ["KVStoreL2Adapter", "desc_layout", "layout_tail", "object_layout", "page_keys"]
