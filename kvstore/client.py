@@ -64,6 +64,8 @@ class PutResult:
     """Pages not written because the store already holds the key."""
     dropped: int
     """Pages not written: no slot could be freed (all pinned or being written) or the write failed."""
+    dropped_at: tuple[int, ...] = ()
+    """The indices (in the call's ``keys``) of the pages dropped."""
 
 
 def _copy_summed(dst: memoryview, src: memoryview) -> int:
@@ -79,7 +81,8 @@ def _checksum(page: memoryview) -> int:
 
 def _put_result(results: list[int]) -> PutResult:
     """Count a put's per-page results."""
-    return PutResult(*(results.count(r) for r in (P.R_STORED, P.R_QUEUED, P.R_SKIPPED, P.R_DROPPED)))
+    return PutResult(results.count(P.R_STORED), results.count(P.R_QUEUED), results.count(P.R_SKIPPED),
+                     results.count(P.R_DROPPED), tuple(i for i, r in enumerate(results) if r == P.R_DROPPED))
 
 
 class _PageArray(np.ndarray[Any, Any]):

@@ -48,6 +48,7 @@ seconds spent storing and loading.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -73,6 +74,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = b"lmcache-l2\0"
 #: Tasks waiting per thread; a submit beyond it completes at once as failed (never blocks LMCache).
 QUEUE_DEPTH = 1024
+#: A store task and those queued behind it go to the devices as one put of up to this many pages.
+STORE_GROUP_PAGES = 256
 #: Longest a lookup or unlock may wait for the service (a stall): past it, a lookup finds nothing
 #: (a miss), a lock pins nothing (a hint), an unlock goes to the read lane.
 LOOKUP_WAIT_S = 0.05
@@ -123,7 +126,8 @@ def page_keys(key: Any, layout: Layout, page_size: int, tail: bytes | None = Non
 def layout_tail(layout: Layout) -> bytes:
     """The last two fields of an object's key array (``page_keys``): its size and layout, packed."""
     size, parts = layout
-    return msgpack.packb(int(size)) + msgpack.packb([[list(sh), dt] for sh, dt in parts])
+    tail: bytes = msgpack.packb(int(size)) + msgpack.packb([[list(sh), dt] for sh, dt in parts])
+    return tail
 
 
 class _Lane(threading.Thread):
@@ -132,6 +136,7 @@ class _Lane(threading.Thread):
     def __init__(self, name: str, connect: Callable[[], KVCacheClient]) -> None:
         super().__init__(name=name, daemon=True)
         self._connect = connect
+        self._queued_stores: collections.deque[tuple[int, list[Any], list[Any]]] = collections.deque()
         self._client: KVCacheClient | None = None
         self.tasks: queue.Queue[Callable[[Callable[[], KVCacheClient]], None] | None] = queue.Queue(QUEUE_DEPTH)
 
@@ -197,6 +202,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                                      "lookup_objects", "lookup_hits", "loaded_objects", "loaded_bytes",
                                      "load_failed_objects", "load_s"), 0.0)
         self._connect = connect
+        self._queued_stores: collections.deque[tuple[int, list[Any], list[Any]]] = collections.deque()
         self._writer = _Lane("kvstore-l2-store", connect)
         self._reader = _Lane("kvstore-l2-read", connect)
         # lookups and unlocks: a connection of their own, used in the caller's thread (pins and
@@ -256,44 +262,95 @@ class KVStoreL2Adapter(L2AdapterInterface):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         for k, o in zip(keys, objects):
             self._layouts[int(k.object_group_id)] = object_layout(o)
-        return self._submit(self._writer, "store", self._stores, lambda: L2StoreResult(False, 0),
-                            lambda c: self._store(c, keys, objects), len(keys))
+        task_id = next(self._ids)
+        self._queued_stores.append((task_id, keys, objects))
+
+        def task(client: Callable[[], KVCacheClient]) -> None:
+            self._store_queued(client)
+
+        try:
+            self._writer.tasks.put_nowait(task)
+        except queue.Full:
+            log.warning("kvstore L2 adapter: %d tasks queued; failing a store task", QUEUE_DEPTH)
+            with self._lock:  # (taken back if no lane task got to it yet)
+                mine = [t for t in self._queued_stores if t[0] == task_id]
+                for t in mine:
+                    self._queued_stores.remove(t)
+            if mine:
+                self._count_failed("store", len(keys))
+                self._done("store", self._stores, task_id, L2StoreResult(False, 0))
+        return task_id
+
+    def _store_queued(self, client: Callable[[], KVCacheClient]) -> None:
+        """(On the store lane.) The store tasks queued by now, as one put (their pages stream to
+        the devices with no pause between tasks, where a put per task drained the device queue
+        at each task's end), up to ``STORE_GROUP_PAGES`` pages; each task completes with its
+        own pages' outcome. The lane's later tokens find nothing left and return."""
+        group: list[tuple[int, list[Any], list[Any]]] = []
+        pages = 0
+        with self._lock:
+            while self._queued_stores and (not group or pages < STORE_GROUP_PAGES):
+                t = self._queued_stores.popleft()
+                group.append(t)
+                pages += sum(max(1, -(-int(o.get_size()) // self.page_size)) for o in t[2])
+        if not group:
+            return
+        try:
+            c = client()
+            results = self._store(c, [t[1] for t in group], [t[2] for t in group])
+        except Exception:
+            for task_id, keys, _objects in group:
+                self._count_failed("store", len(keys))
+                self._done("store", self._stores, task_id, L2StoreResult(False, 0))
+            raise
+        for (task_id, _keys, _objects), r in zip(group, results):
+            self._done("store", self._stores, task_id, r)
 
     def _count(self, **counts: float) -> None:
         with self._lock:
             for k, v in counts.items():
                 self._stats[k] += v
 
-    def _store(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
+    def _store(self, c: KVCacheClient, tasks_keys: Sequence[Sequence[Any]],
+               tasks_objects: Sequence[Sequence[Any]]) -> list[Any]:
+        """Store the objects of several tasks in one put; each task's ``L2StoreResult``."""
         t0 = time.perf_counter()
         ps = self.page_size
         pkeys: list[bytes] = []
         pages: list[Any] = []
-        for key, obj in zip(keys, objects):
-            layout = object_layout(obj)
-            size = layout[0]
-            if size not in self._advised:  # once per object size: what the store's page size costs it
-                self._advised.add(size)
-                tip = advice("an LMCache object", size, ps)
-                if tip:
-                    log.warning("kvstore L2 adapter: %s", tip)
-            data = memoryview(obj.byte_array).cast("B")[:size]
-            for i, pk in enumerate(page_keys(key, layout, ps)):
-                piece = data[i * ps:(i + 1) * ps]
-                if len(piece) < ps:  # the object's last page: padded (its size is in the key)
-                    padded = bytearray(ps)
-                    padded[:len(piece)] = piece
-                    piece = memoryview(padded)
-                pkeys.append(pk)
-                pages.append(piece)
-        r = c.put(pkeys, pages, wait=True)
-        ok = r.dropped == 0 and r.stored + r.skipped == len(pkeys)
-        sizes = [int(o.get_size()) for o in objects]
-        if ok:
-            self._notify_keys_stored(list(keys), sizes)
-        self._count(stored_objects=len(keys) if ok else 0, stored_bytes=sum(sizes) if ok else 0,
-                    store_failed_objects=0 if ok else len(keys), store_s=time.perf_counter() - t0)
-        return L2StoreResult(ok, sum(sizes) if ok else 0)
+        spans: list[tuple[int, int]] = []  # each task's pages in the put
+        for keys, objects in zip(tasks_keys, tasks_objects):
+            first = len(pkeys)
+            for key, obj in zip(keys, objects):
+                layout = object_layout(obj)
+                size = layout[0]
+                if size not in self._advised:  # once per object size: what the store's page size costs it
+                    self._advised.add(size)
+                    tip = advice("an LMCache object", size, ps)
+                    if tip:
+                        log.warning("kvstore L2 adapter: %s", tip)
+                data = memoryview(obj.byte_array).cast("B")[:size]
+                for i, pk in enumerate(page_keys(key, layout, ps)):
+                    piece = data[i * ps:(i + 1) * ps]
+                    if len(piece) < ps:  # the object's last page: padded (its size is in the key)
+                        padded = bytearray(ps)
+                        padded[:len(piece)] = piece
+                        piece = memoryview(padded)
+                    pkeys.append(pk)
+                    pages.append(piece)
+            spans.append((first, len(pkeys)))
+        r = c.put(pkeys, pages, wait=True)  # stored or skipped (already there), unless dropped
+        out = []
+        for (first, end), keys, objects in zip(spans, tasks_keys, tasks_objects):
+            ok = not any(first <= i < end for i in r.dropped_at)
+            sizes = [int(o.get_size()) for o in objects]
+            if ok:
+                self._notify_keys_stored(list(keys), sizes)
+            self._count(stored_objects=len(keys) if ok else 0, stored_bytes=sum(sizes) if ok else 0,
+                        store_failed_objects=0 if ok else len(keys))
+            out.append(L2StoreResult(ok, sum(sizes) if ok else 0))
+        self._count(store_s=time.perf_counter() - t0)
+        return out
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
         with self._lock:  # emptied in place: tasks still running hold this same dict

@@ -113,3 +113,20 @@ def test_capacity_quota_keeps_a_noisy_tenant_in_its_place(home: Path, file_devic
     assert wait_for(lambda: tenants().get("noisy", {}).get("slots") == 10)
     t = tenants()
     assert t["noisy"]["quota"] == 10 and t["quiet"]["slots"] == 24 and t["quiet"]["quota"] is None
+
+
+def test_a_put_names_the_pages_it_dropped(home: Path, file_devices: Any, services: Any) -> None:
+    """Every slot pinned: new pages are dropped, and ``PutResult.dropped_at`` says which (the
+    LMCache adapter fails exactly the stores whose pages were dropped from a grouped put)."""
+    store(home, file_devices, 40, pin_quotas={"*": 1000})
+    svc = services(home, "q")
+    with KVCacheClient.connect("q", home=home, tenant="sys") as c:
+        n = stats(svc).own_slots
+        held = [b"held/%d" % i for i in range(n)]
+        for s in range(0, n, 16):
+            c.put(held[s:s + 16], [page_bytes(k, PS) for k in held[s:s + 16]], wait=True)
+        assert c.pin(held) == n
+        keys = [held[0], b"new/0", held[1], b"new/1"]
+        r = c.put(keys, [page_bytes(k, PS) for k in keys], wait=True)
+        assert (r.stored, r.skipped, r.dropped, r.dropped_at) == (0, 2, 2, (1, 3))
+        assert c.unpin(held) == n
