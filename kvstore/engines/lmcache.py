@@ -32,7 +32,9 @@ Pages held in other servers' areas cannot be pinned from here: their owners keep
 through the retire grace and hit hints, and a load of one retired meanwhile is a miss.
 
 Tasks run on two threads, each with its own kvstore connection: stores on one, loads on
-the other, so loads never queue behind stores. Lookups and unlocks use a third connection
+the other, so loads never queue behind stores. Store tasks queued behind each other go to
+the devices as one put (``STORE_GROUP_PAGES``), so that the writes stream on between tasks;
+each task completes with its own pages' outcome. Loads read pipelined (``get_many``). Lookups and unlocks use a third connection
 in the caller's thread: a lookup is answered from the shared index and its pins are
 posted without waiting, so it completes before ``submit_lookup_and_lock_task`` returns,
 with no thread hop. The read lane opens that connection, at the first lookup (which it
