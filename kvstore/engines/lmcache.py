@@ -138,7 +138,6 @@ class _Lane(threading.Thread):
     def __init__(self, name: str, connect: Callable[[], KVCacheClient]) -> None:
         super().__init__(name=name, daemon=True)
         self._connect = connect
-        self._queued_stores: collections.deque[tuple[int, list[Any], list[Any]]] = collections.deque()
         self._client: KVCacheClient | None = None
         self.tasks: queue.Queue[Callable[[Callable[[], KVCacheClient]], None] | None] = queue.Queue(QUEUE_DEPTH)
 
@@ -181,10 +180,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._params = dict(params)
         timeout = float(params.get("timeout_s", 30.0))
 
-        def connect() -> KVCacheClient:
+        def connect(wait: float = timeout) -> KVCacheClient:
             home = params.get("mass_home")
             return KVCacheClient.connect(params["store"], server=params.get("server"),
-                                         home=Path(home) if home else None, timeout=timeout,
+                                         home=Path(home) if home else None, timeout=wait,
                                          tenant=params.get("tenant", ""))
 
         probe = connect()  # fail at start, with kvstore's reason, if the service is not there
@@ -211,6 +210,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         # the unpins that undo them on one connection: its requests are taken in order)
         self._lk = threading.Lock()
         self._lk_client: KVCacheClient | None = None
+        self._owed_unpins: list[bytes] = []  # unpins not posted yet (``_unpin``)
+        self._closed = False
 
         self._writer.start()
         self._reader.start()
@@ -265,7 +266,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         for k, o in zip(keys, objects):
             self._layouts[int(k.object_group_id)] = object_layout(o)
         task_id = next(self._ids)
-        self._queued_stores.append((task_id, keys, objects))
+        with self._lock:
+            self._queued_stores.append((task_id, keys, objects))
 
         def task(client: Callable[[], KVCacheClient]) -> None:
             self._store_queued(client)
@@ -315,44 +317,64 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _store(self, c: KVCacheClient, tasks_keys: Sequence[Sequence[Any]],
                tasks_objects: Sequence[Sequence[Any]]) -> list[Any]:
-        """Store the objects of several tasks in one put; each task's ``L2StoreResult``."""
+        """Store the objects of several tasks in one put; each task's ``L2StoreResult`` (a task
+        whose objects cannot be read fails alone)."""
         t0 = time.perf_counter()
-        ps = self.page_size
         pkeys: list[bytes] = []
         pages: list[Any] = []
-        spans: list[tuple[int, int]] = []  # each task's pages in the put
+        spans: list[tuple[int, int] | None] = []  # each task's pages in the put (None: failed before it)
         for keys, objects in zip(tasks_keys, tasks_objects):
             first = len(pkeys)
-            for key, obj in zip(keys, objects):
-                layout = object_layout(obj)
-                size = layout[0]
-                if size not in self._advised:  # once per object size: what the store's page size costs it
-                    self._advised.add(size)
-                    tip = advice("an LMCache object", size, ps)
-                    if tip:
-                        log.warning("kvstore L2 adapter: %s", tip)
-                data = memoryview(obj.byte_array).cast("B")[:size]
-                for i, pk in enumerate(page_keys(key, layout, ps)):
-                    piece = data[i * ps:(i + 1) * ps]
-                    if len(piece) < ps:  # the object's last page: padded (its size is in the key)
-                        padded = bytearray(ps)
-                        padded[:len(piece)] = piece
-                        piece = memoryview(padded)
-                    pkeys.append(pk)
-                    pages.append(piece)
+            try:
+                tk, tp = self._pages_of(keys, objects)
+            except Exception:
+                log.exception("kvstore L2 adapter: a store task's objects could not be read")
+                spans.append(None)
+                continue
+            pkeys += tk
+            pages += tp
             spans.append((first, len(pkeys)))
-        r = c.put(pkeys, pages, wait=True)  # stored or skipped (already there), unless dropped
+        r = c.put(pkeys, pages, wait=True) if pkeys else None  # stored or skipped (already there), or dropped
+        # with wait=True a page is stored, skipped or dropped; anything else fails the whole put
+        whole = r is not None and r.stored + r.skipped + r.dropped == len(pkeys)
         out = []
-        for (first, end), keys, objects in zip(spans, tasks_keys, tasks_objects):
-            ok = not any(first <= i < end for i in r.dropped_at)
-            sizes = [int(o.get_size()) for o in objects]
+        for span, keys, objects in zip(spans, tasks_keys, tasks_objects):
+            ok = span is not None and whole and r is not None and not any(span[0] <= i < span[1] for i in r.dropped_at)
+            sizes = [int(o.get_size()) for o in objects] if ok else [0]
             if ok:
-                self._notify_keys_stored(list(keys), sizes)
+                try:
+                    self._notify_keys_stored(list(keys), sizes)
+                except Exception:
+                    log.exception("kvstore L2 adapter: notifying LMCache of stored keys failed")
             self._count(stored_objects=len(keys) if ok else 0, stored_bytes=sum(sizes) if ok else 0,
                         store_failed_objects=0 if ok else len(keys))
             out.append(L2StoreResult(ok, sum(sizes) if ok else 0))
         self._count(store_s=time.perf_counter() - t0)
         return out
+
+    def _pages_of(self, keys: Sequence[Any], objects: Sequence[Any]) -> tuple[list[bytes], list[Any]]:
+        """The page keys and page views of a store task's objects."""
+        ps = self.page_size
+        pkeys: list[bytes] = []
+        pages: list[Any] = []
+        for key, obj in zip(keys, objects):
+            layout = object_layout(obj)
+            size = layout[0]
+            if size not in self._advised:  # once per object size: what the store's page size costs it
+                self._advised.add(size)
+                tip = advice("an LMCache object", size, ps)
+                if tip:
+                    log.warning("kvstore L2 adapter: %s", tip)
+            data = memoryview(obj.byte_array).cast("B")[:size]
+            for i, pk in enumerate(page_keys(key, layout, ps)):
+                piece = data[i * ps:(i + 1) * ps]
+                if len(piece) < ps:  # the object's last page: padded (its size is in the key)
+                    padded = bytearray(ps)
+                    padded[:len(piece)] = piece
+                    piece = memoryview(padded)
+                pkeys.append(pk)
+                pages.append(piece)
+        return pkeys, pages
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
         with self._lock:  # emptied in place: tasks still running hold this same dict
@@ -377,7 +399,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     found = self._lookup_and_lock(c, keys, layouts)
                 except Timeout:  # the index is being rebuilt and the service stalls: misses
                     found = Bitmap(len(keys))
-                except KVStoreError:
+                except KVStoreError:  # the service is gone (its pins with it)
                     self._drop_lookup_client()
                     found = None
                 if found is not None:
@@ -397,12 +419,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return c
         new: KVCacheClient | None = self._connect()  # outside the lock: LMCache's thread may want it
         with self._lk:
-            if self._lk_client is None:
+            if self._lk_client is None and not self._closed:
                 self._lk_client, new = new, None
             c = self._lk_client
         if new is not None:
             new.close()
-        assert c is not None
+        if c is None:
+            raise KVStoreError("the adapter is closed")
         return c
 
     def _drop_lookup_client(self) -> None:
@@ -437,22 +460,31 @@ class KVStoreL2Adapter(L2AdapterInterface):
                if lay else [] for k, lay in zip(keys, layouts)]
         flat = [pk for ks in per for pk in ks]
         have = iter(c.contains(flat, timeout=timeout)) if flat else iter(())
+        hits: list[tuple[Any, list[bytes]]] = []
         to_pin: list[bytes] = []
+        with self._lock:
+            locked = set(self._locks)
         for i, (k, ks) in enumerate(zip(keys, per)):
-            hit = bool(ks) and all([next(have) for _ in ks])
-            if not hit:
+            if not (ks and all([next(have) for _ in ks])):
                 continue
             found.set(i)
-            with self._lock:
-                n, pinned = self._locks.get(k, (0, ks))
-                self._locks[k] = (n + 1, pinned)
-            if n == 0:
+            if k not in locked and all(k != h for h, _ in hits):
                 to_pin += ks
+            hits.append((k, ks))
+        pinned = True
         if to_pin:  # posted, not waited for: the lookup answers from the shared index with no round trip
+            self._flush_unpins(c)  # unpins owed first: they are older than these pins
             try:  # pages in other servers' areas are not pinned here (see the docstring)
                 c.pin(to_pin, wait=False, timeout=timeout)
             except Timeout:  # every request slot still the service's (a stall): a lock is only a hint
                 log.warning("kvstore L2 adapter: the service is slow; %d pages not pinned", len(to_pin))
+                pinned = False
+        # counted once the pins are posted (or known not to be): an error above counts nothing, and
+        # a lock whose pins were not posted unpins nothing at its unlock
+        with self._lock:
+            for k, ks in hits:
+                n, held = self._locks.get(k, (0, ks if pinned else []))
+                self._locks[k] = (n + 1, held)
         self._count(lookup_objects=len(keys), lookup_hits=sum(1 for i in range(len(keys)) if found.test(i)))
         return found
 
@@ -476,26 +508,30 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._unpin(release)
 
     def _unpin(self, pkeys: list[bytes]) -> None:
-        """On the lookups' connection, after the pins it undoes (its requests are taken in order:
-        an unpin on another connection could overtake them and leave them pinned for good),
-        posted without waiting. Without that connection (it failed, and with it whatever of its
-        pins the service had not taken), on the read lane's."""
+        """Posted on the lookups' connection, after the pins it undoes (its requests are taken in
+        order: an unpin on another connection could overtake them and leave them pinned for
+        good), without waiting. Never blocks the caller: while that connection is not open or
+        the service does not take requests, the unpins wait in ``_owed_unpins``, posted first
+        by the next lookup or unlock on the connection (or by ``close``). If the service went
+        away, its pins went with it (a restart starts with none)."""
         with self._lk:
+            self._owed_unpins.extend(pkeys)
             if self._lk_client is not None:
-                try:
-                    self._lk_client.unpin(pkeys, wait=False, timeout=LOOKUP_WAIT_S)
-                    return
-                except KVStoreError:
-                    self._drop_lookup_client()
+                self._flush_unpins(self._lk_client)
 
-        def task(client: Callable[[], KVCacheClient]) -> None:
-            client().unpin(pkeys)
-
-        try:  # must not be lost: on a full queue, wait for room
-            self._reader.tasks.put(task, timeout=60)
-        except queue.Full:
-            with self._connect() as c:
-                task(lambda: c)
+    def _flush_unpins(self, c: KVCacheClient) -> None:
+        """(Holding ``_lk``.) Post the unpins owed on ``c`` (kept for later if the service does not
+        take them within ``LOOKUP_WAIT_S``; dropped if it is gone: its pins are gone too)."""
+        if not self._owed_unpins:
+            return
+        owed = list(self._owed_unpins)
+        try:
+            c.unpin(owed, wait=False, timeout=LOOKUP_WAIT_S)
+        except Timeout:
+            return
+        except KVStoreError:
+            self._drop_lookup_client()
+        self._owed_unpins.clear()
 
     # ---- load ------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
@@ -547,21 +583,37 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
+        # the lanes first: lookups still queued on the read lane take their locks before the
+        # locks left are unpinned (with the service stalled, a full queue cannot take the stop
+        # marker: the lanes are daemons, and close goes on without them)
+        self._closed = True
+        for lane in (self._writer, self._reader):
+            try:
+                lane.tasks.put(None, timeout=30)
+            except queue.Full:
+                log.warning("kvstore L2 adapter: %s still has a full queue; closing without it", lane.name)
+        for lane in (self._writer, self._reader):
+            lane.join(30)
         with self._lock:
             left = [pk for _, pinned in self._locks.values() for pk in pinned]
             self._locks.clear()
-        if left:
-            self._unpin(left)
-        for lane in (self._writer, self._reader):
-            lane.tasks.put(None, timeout=30)
-        for lane in (self._writer, self._reader):
-            lane.join(30)
         with self._lk:
-            if self._lk_client is not None:
+            self._owed_unpins.extend(left)
+            if self._owed_unpins and self._lk_client is None:
                 try:
-                    self._lk_client.ping()  # the unpins posted are taken before the connection goes
+                    self._lk_client = self._connect(1.0)
                 except KVStoreError:
                     pass
+            if self._lk_client is not None:
+                self._flush_unpins(self._lk_client)
+            if self._lk_client is not None:
+                try:
+                    self._lk_client.ping(timeout=1.0)  # the unpins posted are taken before the connection goes
+                except KVStoreError:
+                    pass
+            if self._owed_unpins:
+                log.warning("kvstore L2 adapter: closing with %d pages still pinned (the service did not take "
+                            "their unpins; they last until it restarts)", len(self._owed_unpins))
             self._drop_lookup_client()
         for e in self._efd.values():
             e.close()

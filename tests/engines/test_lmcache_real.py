@@ -191,3 +191,24 @@ def test_locked_objects_survive_an_area_turned_over_and_unlock_releases_them(hom
     # with the service gone, a store and a load complete as failed at once (LMCache recomputes)
     gone = out["after_service_gone"]
     assert gone["store_ok"] is False and gone["loaded"] == 0 and gone["seconds"] < 10
+
+
+def test_a_stalled_service_never_holds_lmcaches_thread_and_leaves_no_pin(home: Path, file_devices: Any,
+                                                                         services: Any) -> None:
+    """The outside review's stalls (tests/engines/lmcache_stall.py): with the service stopped, lookups
+    and unlocks on the lookups' connection never wait long in LMCache's thread, though its request
+    slots fill; once it runs again every lock is released (an unpin that could not be posted was
+    kept and posted on the same connection, after its pins); an adapter closed right after a
+    lookup the read lane answered leaves nothing pinned."""
+    devs = file_devices.make(1, (1 << 20) + 200 * (4096 + (64 << 10)))
+    make_store(home, "st", devs, 64 << 10)
+    services(home, "st")
+    r = subprocess.run([str(VENV / "bin" / "python"), str(Path(__file__).with_name("lmcache_stall.py")), "--store",
+                        "st", "--home", str(home)], env=lm_env(home), capture_output=True, text=True, timeout=300,
+                       cwd=str(Path(__file__).parent))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["stored"]
+    assert out["slowest_call_s"] < 2.0, out  # calls on it wait at most LOOKUP_WAIT_S for the service
+    assert out["locks_left"] == 0 and out["pinned_after_stall"] == 0, out
+    assert out["pinned_after_close"] == 0 and out["pinned_after_quick_close"] == 0, out
