@@ -712,22 +712,7 @@ class KVCacheClient:
             TypeError: a key is not ``bytes``.
             Timeout, ServiceLost: the service did not answer (treat as misses).
         """
-        keys = check_keys(keys)
-        if len(keys) > self.max_batch:
-            raise ValueError(f"get of {len(keys)} keys exceeds max_batch {self.max_batch} "
-                             "(service.client_buffers in the store config); split the batch")
-        if not keys:
-            return PageBatch(self, [], [])
-        deadline = self._deadline(timeout)
-        with self._lock:
-            self._check_open()
-            t0 = time.monotonic()
-            ids, words = key_digests(keys, self._tenant_salt())
-            assert words is not None
-            gids = self._index.lookup(words)
-            if gids is None:  # the index kept being rebuilt under us: the service reads instead
-                return self._get_service(ids, deadline)
-            return self._get_direct(ids, words, gids, deadline, t0)
+        return self.get_async(keys, timeout=timeout).result()
 
     def _views(self, bufs: list[int], ok: Sequence[bool]) -> PageBatch:
         """The batch over ``bufs`` whose reads succeeded (``ok``); the other buffers go back."""
@@ -759,12 +744,6 @@ class KVCacheClient:
             self._arena.set_state(b, A.SERVICE)
         _, res = self._call(d, P.OP_GET, n, 0, deadline, bufs)
         return self._views(bufs, (res == P.R_HIT).tolist())
-
-    def _get_direct(self, ids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any],
-                    deadline: float, t0: float) -> PageBatch:
-        """A get without the supervisor (caller holds the lock): ``_post_direct``, then
-        ``_finish_direct``."""
-        return self._finish_direct(self._post_direct(ids, words, gids, deadline, t0))
 
     def _post_direct(self, ids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], gids: np.ndarray[Any, Any],
                      deadline: float, t0: float) -> _Reads:

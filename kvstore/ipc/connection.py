@@ -66,7 +66,7 @@ Connection segment layout (``ClientChannel``)::
                  batches in flight (``get_async``) is woken when the one it waits for lands, not
                  when all have. A wrong value only wakes that client too often or too late.
 
-Direct reads (gets that bypass the supervisor; see client.py ``_get_direct``): the client
+Direct reads (gets that bypass the supervisor; see client.py ``_post_direct``): the client
 finds the slot in the shared index, notes it in ``pins`` (its own bookkeeping: the service
 does not ask it), checks the slot is still the one it found, hands the buffer over by
 setting its state to DIRECT tagged with the connection's generation, and posts a

@@ -173,7 +173,7 @@ class Allocator:
             for pins in self.pinned_by.values():
                 pins.discard(gid)
         # state first, then the generation: a client that reads gen, state, gen (client.py
-        # _get_direct) and sees VALID then also sees the old generation twice, never a new
+        # _post_direct) and sees VALID then also sees the old generation twice, never a new
         # generation beside the old state (that read would expect a header no device holds)
         self._state[gid] = RETIRED
         LIB.kv_fence()
