@@ -274,15 +274,9 @@ class Allocator:
         self.ref[gid] = 1
         return gid
 
-    def commit(self, gid: int, words: np.ndarray[Any, Any], length: int) -> None:
-        """The write of ``gid`` completed: record the key and mark it VALID (caller indexes it)."""
-        for f, x in zip(self._dw, words.tolist()):
-            f[gid] = x
-        self._len[gid] = length
-        self._state[gid] = VALID
-
-    def commit_many(self, gids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any]) -> None:
-        """``commit`` for several completed writes at once (``words``: one row of 4 per gid)."""
+    def commit(self, gids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any]) -> None:
+        """The writes of ``gids`` completed (``words``: one row of 4 per gid): record the keys and
+        mark them VALID (caller indexes them)."""
         for i, f in enumerate(self._dw):
             f[gids] = words[:, i]
         self._len[gids] = lengths

@@ -343,7 +343,7 @@ class Requests:
             words = np.array(self._ins_words, dtype=np.uint64).reshape(-1, 4)
             gids = np.array(self._ins_gids, dtype=np.int64)
             lens = np.array(self._ins_lens, dtype=np.int64)
-            self.st.alloc.commit_many(gids, words, lens)  # VALID, then found
+            self.st.alloc.commit(gids, words, lens)  # VALID, then found
             self.st.changes.stored(self._ins_gids)
             self.st.index.insert_many(words, gids)
             self.st.stats.add("pages_written", len(gids))

@@ -15,13 +15,18 @@ def make(n: int = 4, grace: float = 0.0, clock: list[float] | None = None) -> tu
     return a, retired
 
 
+def commit(a: Allocator, gid: int, d0: int, length: int) -> None:
+    """The write of ``gid`` completed, under a key whose first digest word is ``d0``."""
+    a.commit(np.array([gid]), np.array([[d0, 0, 0, 0]], dtype=np.uint64), np.array([length]))
+
+
 def fill(a: Allocator) -> list[int]:
     got = []
     while True:
         g = a.allocate(0)
         if g < 0 or g in got:
             break
-        a.commit(g, np.array([g, 0, 0, 0], dtype=np.uint64), 10)
+        commit(a, g, g, 10)
         got.append(g)
         if len(got) == len(a.slots):
             break
@@ -34,7 +39,7 @@ def test_generations_strictly_increase() -> None:
     for _ in range(12):  # wraps the 4 slots three times
         g = a.allocate(0)
         gens.append(int(a.slots["gen"][g]))
-        a.commit(g, np.array([g, 0, 0, 0], dtype=np.uint64), 1)
+        commit(a, g, g, 1)
         a.ref[:] = 0
     assert gens == sorted(gens) and len(set(gens)) == len(gens)
 
@@ -110,7 +115,7 @@ def test_grace_with_a_steady_write_rate_keeps_writing_and_keeps_the_cache() -> N
         if g < 0:
             dropped += 1
             continue
-        a.commit(g, np.array([1000 + step, 0, 0, 0], dtype=np.uint64), 10)
+        commit(a, g, 1000 + step, 10)
         written += 1
         # never more retired than about a grace period of writes
         assert (a.slots["state"] == RETIRED).sum() <= 25
