@@ -172,7 +172,7 @@ class PageReservation(Sequence[memoryview]):
         """A writable view of reserved page ``i`` over its exporter (made anew if none is alive)."""
         page = self._refs[i]() if self._refs[i] is not None else None
         if page is None:
-            page = self._client._arena.payload_array(self._bufs[i]).view(_PageArray)
+            page = self._client._arena.payload_array(self._bufs[i], _PageArray)
             page._owner = self._client
             self._refs[i] = weakref.ref(page)
         return memoryview(page)  # type: ignore[arg-type]
@@ -722,10 +722,10 @@ class KVCacheClient:
         for j, b in enumerate(bufs):
             mine = arena.state(b) == A.CLIENT
             if ok[j] and mine:
-                page = _PageArray((arena.page_size,), np.uint8, arena.data, arena.payload_offset(b))
+                page = arena.payload_array(b, _PageArray)
                 page.flags.writeable = False
                 page._owner = self
-                views.append(memoryview(page))
+                views.append(memoryview(page))  # type: ignore[arg-type]
                 held.append((b, weakref.ref(page)))
             else:
                 views.append(None)

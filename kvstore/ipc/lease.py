@@ -45,7 +45,7 @@ new owner sees the buffer's bytes as the old owner left them.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -75,6 +75,9 @@ def kind(state: int) -> int:
 def buffer_size(page_size: int) -> int:
     """Bytes per arena buffer: a header block plus the page."""
     return BLOCK + page_size
+
+
+_Array = TypeVar("_Array", bound=np.ndarray)
 
 
 class BufferStates(Protocol):
@@ -121,19 +124,10 @@ class Arena:
         start = self._off + (i - self.first) * self.bsize + BLOCK
         return self.mv[start:start + (self.page_size if length is None else length)]
 
-    @property
-    def data(self) -> Any:
-        """The segment's buffer the lease lies in."""
-        return self._data
-
-    def payload_offset(self, i: int) -> int:
-        """Where buffer ``i``'s payload starts in ``data``."""
-        return self._off + (i - self.first) * self.bsize + BLOCK
-
-    def payload_array(self, i: int) -> np.ndarray[Any, Any]:
-        """Buffer ``i``'s payload as a u8 array over the mapping (its own exporter object)."""
-        return np.frombuffer(self._data, dtype=np.uint8, count=self.page_size,
-                             offset=self._off + (i - self.first) * self.bsize + BLOCK)
+    def payload_array(self, i: int, subtype: type[_Array]) -> _Array:
+        """Buffer ``i``'s payload as a u8 array of ``subtype`` (an ``ndarray`` subclass, made as
+        that type directly: no intermediate array) over the mapping: its own exporter object."""
+        return subtype((self.page_size,), np.uint8, self._data, self._off + (i - self.first) * self.bsize + BLOCK)
 
     def header(self, i: int) -> memoryview:
         """Writable view of buffer ``i``'s 4 KiB header block."""
