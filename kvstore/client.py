@@ -369,16 +369,13 @@ class KVCacheClient:
         self._smap = SlotMap(hello["areas"])  # where each slot is, for direct reads
         self._direct_state = A.tagged(A.DIRECT, hello["generation"])
         self._wakes = [WakeWriter.open(name) for name in hello["workers"]]
-        # what _native/direct.c's kv_post_direct is given: the slot table, the slot map's bases,
-        # our direct-read rings and per-buffer words
+        # what _native/direct.c's kv_post_direct is given beside the channel's per-buffer words:
+        # the slot table, the slot map's bases, our direct-read rings
         self._slots_c = FFI.cast("void *", self._slots.ctypes.data)
         self._bases_c = FFI.cast("int64_t *", self._smap._flat_bases.ctypes.data)
         self._rings_c = FFI.new("struct kv_ring[]", max(1, len(self._chan.direct)))
         for i, ring in enumerate(self._chan.direct):
             ring.point(self._rings_c[i])
-        self._dseq_c = FFI.cast("uint64_t *", self._chan.dseq.ctypes.data)
-        self._ddev_c = FFI.cast("uint32_t *", self._chan.ddev.ctypes.data)
-        self._wstat_c = FFI.cast("int32_t *", self._chan.wstat.ctypes.data)
         self._seqbox = FFI.new("uint64_t *")
         self._lock = threading.Lock()
         self._seq = 1
@@ -766,7 +763,7 @@ class KVCacheClient:
         m = int(LIB.kv_post_direct(
             self._slots_c, len(self._slots), FFI.from_buffer("int64_t[]", gids), FFI.from_buffer("uint64_t[]", words),
             FFI.from_buffer("uint64_t[]", ids), FFI.from_buffer("int64_t[]", rel), n, self._chan._pins,
-            self._dseq_c, self._ddev_c, self._arena.states_c, self._direct_state, self._bases_c,
+            self._chan._dseq, self._chan._ddev, self._arena.states_c, self._direct_state, self._bases_c,
             len(self._smap._flat_bases), self._smap.n_areas, self._rings_c, len(self._wakes), box,
             FFI.from_buffer("int64_t[]", rows), FFI.from_buffer("int64_t[]", lbs),
             FFI.from_buffer("uint64_t[]", seqs), FFI.from_buffer("uint8_t[]", woken)))
@@ -781,7 +778,7 @@ class KVCacheClient:
         worker unpinned each answered read's slot before it answered.)"""
         if not r.waiting:
             return True
-        k = int(LIB.kv_take_landed(self._arena.states_c, self._chan._wseq, self._wstat_c,
+        k = int(LIB.kv_take_landed(self._arena.states_c, self._chan._wseq, self._chan._wstat,
                                    FFI.from_buffer("int64_t[]", r.rows), FFI.from_buffer("int64_t[]", r.lbs),
                                    FFI.from_buffer("uint64_t[]", r.seqs), r.waiting, A.CLIENT, ST_OK,
                                    FFI.from_buffer("uint8_t[]", r.good)))

@@ -161,9 +161,9 @@ class _Conn:
         c.head = int(LIB.kv_load_acquire_u64(ring._head))  # ours from here on; the tail is checked against it
         self.salt_seq = -1
         self.rekey(entry)
-        c.pins = _ptr("int64_t *", self.chan.pins)
-        c.dseq = _ptr("uint64_t *", self.chan.dseq)
-        c.wstat = _ptr("int32_t *", self.chan.wstat)
+        c.pins = self.chan._pins
+        c.dseq = self.chan._dseq
+        c.wstat = self.chan._wstat
         c.wseq = self.chan._wseq
         c.wake_seq = self.chan._wake_seq
         c.inflight = 0

@@ -262,7 +262,9 @@ def direct_capacity(max_batch: int) -> int:
 
 
 class ClientChannel:
-    """Views over one connection's segment (client, supervisor and workers build the same views)."""
+    """Views over one connection's segment (client, supervisor and workers build the same views):
+    numpy arrays for Python, and a pointer beside each per-buffer array (``_pins``, ``_dseq``,
+    ``_ddev``, ``_wstat``, ``_wseq``, ``_wake_seq``) for compiled code."""
 
     def __init__(self, buf: Any, max_batch: int, n_devices: int) -> None:
         self.max_batch = max_batch
@@ -286,10 +288,13 @@ class ClientChannel:
         self._pins = FFI.cast("int64_t *", base + o)
         o += _round64(8 * max_batch)
         self.dseq = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
+        self._dseq = FFI.cast("uint64_t *", base + o)
         o += _round64(8 * max_batch)
         self.ddev = np.frombuffer(buf, dtype="<u4", count=max_batch, offset=o)
+        self._ddev = FFI.cast("uint32_t *", base + o)
         o += _round64(4 * max_batch)
         self.wstat = np.frombuffer(buf, dtype="<i4", count=max_batch, offset=o)
+        self._wstat = FFI.cast("int32_t *", base + o)
         o += _round64(4 * max_batch)
         self._wseq_off = o
         self.wseq = np.frombuffer(buf, dtype="<u8", count=max_batch, offset=o)
