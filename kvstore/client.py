@@ -797,7 +797,7 @@ class KVCacheClient:
             raise
 
     def _await_direct(self, r: _Reads) -> PageBatch:
-        ch, lease0 = self._chan, self._lease.start
+        ch = self._chan
         # a read of one or two pages is over in a few hundred microseconds: poll for it (yielding
         # the core) rather than sleep, which adds a scheduler wake-up
         # (~50 us) to every single-page get; bigger batches sleep at once (``poll_s``, ``connect``)
@@ -813,10 +813,10 @@ class KVCacheClient:
                 continue
             # wake me when the last of them lands (reads of later batches may be in flight too:
             # a worker's "none of yours left" would come only after those); then look again
-            b, seq = int(r.lbs[-1]), int(r.seqs[-1])
-            ch.wait_for(seq)
-            if self._arena.state(lease0 + b) == A.CLIENT and ch.done_seq(b) == seq:
-                continue
+            # before sleeping (it may have landed before the worker could see the word)
+            ch.wait_for(int(r.seqs[-1]))
+            if self._landed(r):
+                break
             self._wake.wait(min(rest, 0.05))
         bufs, r.bufs = r.bufs, []  # the batch's from here on
         batch = self._views(bufs, r.good.tolist())
