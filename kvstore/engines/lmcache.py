@@ -281,9 +281,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 for t in mine:
                     self._queued_stores.remove(t)
             if mine:
-                self._count_failed("store", len(keys))
-                self._done("store", self._stores, task_id, L2StoreResult(False, 0))
+                self._fail_store(task_id, len(keys))
         return task_id
+
+    def _fail_store(self, task_id: int, objects: int) -> None:
+        """Complete store task ``task_id`` as failed (all its ``objects``)."""
+        self._count_failed("store", objects)
+        self._done("store", self._stores, task_id, L2StoreResult(False, 0))
 
     def _store_queued(self, client: Callable[[], KVCacheClient]) -> None:
         """(On the store lane.) The store tasks queued by now, as one put (their pages stream to
@@ -304,8 +308,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             results = self._store(c, [t[1] for t in group], [t[2] for t in group])
         except Exception:
             for task_id, keys, _objects in group:
-                self._count_failed("store", len(keys))
-                self._done("store", self._stores, task_id, L2StoreResult(False, 0))
+                self._fail_store(task_id, len(keys))
             raise
         for (task_id, _keys, _objects), r in zip(group, results):
             self._done("store", self._stores, task_id, r)
@@ -468,7 +471,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if not (ks and all([next(have) for _ in ks])):
                 continue
             found.set(i)
-            if k not in locked and all(k != h for h, _ in hits):
+            if k not in locked:  # (a key twice in one call is pinned once)
+                locked.add(k)
                 to_pin += ks
             hits.append((k, ks))
         pinned = True
