@@ -526,16 +526,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _flush_unpins(self, c: KVCacheClient) -> None:
         """(Holding ``_lk``.) Post the unpins owed on ``c`` (kept for later if the service does not
         take them within ``LOOKUP_WAIT_S``; dropped if it is gone: its pins are gone too)."""
-        if not self._owed_unpins:
-            return
-        owed = list(self._owed_unpins)
-        try:
-            c.unpin(owed, wait=False, timeout=LOOKUP_WAIT_S)
-        except Timeout:
-            return
-        except KVStoreError:
-            self._drop_lookup_client()
-        self._owed_unpins.clear()
+        while self._owed_unpins:
+            # a request's worth at a time, forgotten once posted: an unpin posted twice (a later
+            # part timed out, the whole list kept) could release a pin a new lock took meanwhile
+            part = self._owed_unpins[:c.max_batch]
+            try:
+                c.unpin(part, wait=False, timeout=LOOKUP_WAIT_S)
+            except Timeout:
+                return
+            except KVStoreError:
+                self._drop_lookup_client()
+                self._owed_unpins.clear()
+                return
+            del self._owed_unpins[:len(part)]
 
     # ---- load ------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
