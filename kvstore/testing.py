@@ -403,6 +403,30 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 256, heads: in
     return path
 
 
+def make_tiny_gemma3(path: Path, *, sliding_window: int = 256, vocab: int = 1024, seed: int = 0) -> Path:
+    """Save a random-weight Gemma 3 text model (``Gemma3ForCausalLM``, bfloat16: layers sliding,
+    sliding, full, sliding, sliding, full; 2 KV heads of 64) and the tokenizer of
+    ``make_tiny_llama`` under ``path``. vLLM's hybrid KV cache manager gives it three KV cache
+    groups: two sliding-window groups and one full-attention group, two layers each. Its
+    ``initializer_range`` (0.05, not ``make_tiny_llama``'s 0.2: Gemma scales embeddings by the
+    square root of the width) leaves logprobs informative and greedy tokens varied."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                           max_position_embeddings=16384, initializer_range=0.05, sliding_window=sliding_window,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model: Any = Gemma3ForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
+    _save_word_tokenizer(path, vocab)
+    return path
+
+
 def make_tiny_hybrid(path: Path, *, vocab: int = 1024, seed: int = 0) -> Path:
     """Save a random-weight Mamba/attention hybrid (a Granite-4.0-H-like ``GraniteMoeHybrid``:
     Mamba2, attention, Mamba2, attention; bfloat16) and the tokenizer of ``make_tiny_llama``

@@ -95,14 +95,14 @@ from typing import Any
 import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole)
+                                                              KVConnectorRole, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..client import KVCacheClient
 from ..keys import KeyNamespace
-from .vllm_mapping import (STAT_KEYS, AsyncLoader, AsyncSaver, Layout, SchedulerSide, StepPlan, TransferStats,
-                           WorkerSide, layout_of)
+from .vllm_mapping import (CPU_MIN_COMPUTED, STAT_KEYS, AsyncLoader, AsyncSaver, Group, Layout, SchedulerSide,
+                           StepPlan, TransferStats, WorkerSide, layout_of)
 
 log = structlog.get_logger(__name__)
 
@@ -195,44 +195,62 @@ def refuse_model(vllm_config: Any) -> None:
                          "nothing for the connector to save or load; run it without --kv-transfer-config")
     if getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False):
         raise ValueError(f"kvstore connector: {name} keeps Mamba or linear-attention state besides its attention KV "
-                         "(a hybrid model). The connector saves and loads attention KV pages only and does not "
-                         "implement vLLM's SupportsHMA, so vLLM turns off the hybrid KV cache manager that this "
-                         "model needs; run it without --kv-transfer-config")
+                         "(a hybrid model). The connector saves and loads attention KV pages (full-attention and "
+                         "sliding-window groups) only: a prefix's recurrent state is not KV pages, and loading "
+                         "the attention KV without it would be wrong; run it without --kv-transfer-config")
 
 
-def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any]:
-    """The backend name and attention spec of the caches vLLM will register (both roles agree)."""
+def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any, list[Group], list[list[str]]]:
+    """The backend name and attention spec of the caches vLLM will register (both roles agree),
+    and per KV cache group its ``Group`` and layer names. Every group must be full or
+    sliding-window attention with the same block size and block bytes (vLLM's hybrid manager
+    gives all groups one block pool)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        raise ValueError(f"the kvstore connector moves models with one KV cache group; this one has {len(groups)} "
-                         "(a hybrid model: sliding-window, Mamba or mixed attention layers). It does not "
-                         "implement SupportsHMA")
-    spec = groups[0].kv_cache_spec
-    specs = getattr(spec, "kv_cache_specs", None)
-    if specs:  # uniform type, per-layer specs
-        spec = next(iter(specs.values()))
-    for attr in ("num_kv_heads", "head_size", "dtype", "page_size_bytes"):
-        if not hasattr(spec, attr):
-            raise ValueError(f"the kvstore connector moves attention KV caches; this model's cache is "
-                             f"{type(spec).__name__}")
     from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, SlidingWindowSpec
 
-    # full attention keeps every block until the request ends; a sliding window frees a prefix of
-    # them as it moves on (handled: SchedulerSide); anything else frees or reuses blocks in ways
-    # the connector does not track, and could be saved from a block that is no longer the request's
-    if isinstance(spec, RSWASpec) or not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
-        raise ValueError(f"the kvstore connector moves full-attention and sliding-window KV caches; this "
-                         f"model's cache is {type(spec).__name__}")
+    kv_groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not kv_groups:
+        raise ValueError("vLLM gave the kvstore connector no KV cache groups")
+    groups: list[Group] = []
+    names: list[list[str]] = []
+    first: Any = None
+    for g in kv_groups:
+        spec = g.kv_cache_spec
+        specs = getattr(spec, "kv_cache_specs", None)
+        if specs:  # uniform type, per-layer specs
+            spec = next(iter(specs.values()))
+        for attr in ("num_kv_heads", "head_size", "dtype", "page_size_bytes", "block_size"):
+            if not hasattr(spec, attr):
+                raise ValueError(f"the kvstore connector moves attention KV caches; this model's cache has a "
+                                 f"{type(spec).__name__} group")
+        # full attention keeps every block until the request ends; a sliding window frees (or never
+        # allocates: null blocks) the blocks before the window (handled: SchedulerSide); anything
+        # else frees or reuses blocks in ways the connector does not track, and could be saved from
+        # a block that is no longer the request's
+        if isinstance(spec, RSWASpec) or not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise ValueError(f"the kvstore connector moves full-attention and sliding-window KV caches; this "
+                             f"model's cache has a {type(spec).__name__} group")
+        if first is None:
+            first = spec
+        elif (spec.block_size, spec.page_size_bytes, str(spec.dtype)) != (first.block_size, first.page_size_bytes,
+                                                                         str(first.dtype)):
+            raise ValueError("the kvstore connector needs every KV cache group to have one block size, block bytes "
+                             f"and dtype; this model's differ ({type(first).__name__} {first.block_size} tokens, "
+                             f"{first.page_size_bytes} B; {type(spec).__name__} {spec.block_size} tokens, "
+                             f"{spec.page_size_bytes} B)")
+        window = None
+        if isinstance(spec, SlidingWindowSpec):
+            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        groups.append(Group(window))
+        names.append(list(g.layer_names))
     backends = get_current_attn_backends(vllm_config)
-    names = sorted({b.get_name() for b in backends})
-    if len(names) != 1:
-        raise ValueError(f"the kvstore connector needs one attention backend; this engine uses {names}")
-    return names[0], spec
+    bnames = sorted({b.get_name() for b in backends})
+    if len(bnames) != 1:
+        raise ValueError(f"the kvstore connector needs one attention backend; this engine uses {bnames}")
+    return bnames[0], first, groups, names
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector interface over ``kvstore`` (see the module docstring)."""
 
     # vLLM's prefix-cache hit counters by source: the store is a storage tier (vLLM has no
@@ -265,15 +283,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ValueError("the kvstore connector does not support pipeline parallelism "
                              f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use tensor parallelism")
         page_tokens = int(extra.get("page_tokens", self.block_size))
-        backend, spec = _expected_layout(vllm_config, kv_cache_config)
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-        window = None
-        if isinstance(spec, SlidingWindowSpec):
-            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        backend, spec, groups, self.group_layers = _expected_layout(vllm_config, kv_cache_config)
         self.expected = (backend, str(spec.dtype).removeprefix("torch."), int(spec.page_size_bytes))
         layout = (f"vllm:{backend}:{self.expected[1]}:block{spec.block_size}:"
                   f"{spec.num_kv_heads}x{spec.head_size}:{self.expected[2]}B")
+        if len(groups) > 1:
+            # vLLM's hybrid manager: a page per group, of that group's layers (their count in the name:
+            # pages of another grouping of the same model never share a key)
+            layout += ":groups[" + ",".join(f"{g.label}x{len(n)}" for g, n in zip(groups, self.group_layers)) + "]"
         model_id = str(extra.get("model_id") or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}")
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -287,7 +304,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._connect = lambda: KVCacheClient.connect(extra["store"], server=extra.get("server"),
                                                       home=extra.get("mass_home"))
         self.client = self._connect()
+        from vllm.platforms import current_platform
         from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+        on_cpu = current_platform.is_cpu()
 
         # kv_role: a producer (P/D prefill side) never loads, a consumer (decode side) never saves
         self.loads, self.saves = bool(tc.is_kv_consumer), bool(tc.is_kv_producer)
@@ -295,15 +315,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         pd_wait_s = float(extra.get("pd_wait_s", 5.0))
         if not 0 <= pd_wait_s <= 600:
             raise ValueError(f"kv_connector_extra_config pd_wait_s must be 0..600 seconds, got {pd_wait_s}")
-        self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup, null_block=NULL_BLOCK_ID,
-                                       sliding_window=window, load=self.loads, save=self.saves, pd_wait_s=pd_wait_s)
+        self.scheduler = SchedulerSide(self.ns, self.block_size, self.client.lookup, contains=self.client.contains,
+                                       groups=groups, null_block=NULL_BLOCK_ID, load=self.loads, save=self.saves,
+                                       pd_wait_s=pd_wait_s, min_computed=CPU_MIN_COMPUTED if on_cpu else 1)
         self.tp_rank = tp_rank
         self.async_save = bool(extra.get("async_save", True))
-        if window is not None and self.async_save:
+        windows = [g.window for g in groups if g.window is not None]
+        if windows and self.async_save:
             # vLLM frees a running request's out-of-window blocks at the next step's scheduling and
             # may hand them to another request: a page is copied out before that step runs
             log.info("kvstore: sliding-window cache, pages are copied out in wait_for_save "
-                     "(device writes stay asynchronous)", window=window)
+                     "(device writes stay asynchronous)", window=min(windows))
             self.async_save = False
         self.worker: WorkerSide | None = None
         self.saver: AsyncSaver | None = None
@@ -338,17 +360,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         return n, bool(n) and self.async_load
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        self.scheduler.update_state_after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         for req in scheduler_output.scheduled_new_reqs:
-            self.scheduler.schedule(req.req_id, req.prompt_token_ids, req.block_ids[0], True,
+            self.scheduler.schedule(req.req_id, req.prompt_token_ids, req.block_ids, True,
                                     req.num_computed_tokens, req.num_computed_tokens + scheduled.get(req.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
-            self.scheduler.schedule(rid, None, nb[0] if nb is not None else None, rid in cached.resumed_req_ids,
+            self.scheduler.schedule(rid, None, nb, rid in cached.resumed_req_ids,
                                     cached.num_computed_tokens[i], cached.num_computed_tokens[i] + scheduled.get(rid, 0))
         self.scheduler.preempted(getattr(scheduler_output, "preempted_req_ids", None))
         return KVStoreConnectorMetadata(self.scheduler.build_plan())
@@ -360,12 +382,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         log.info("kvstore connector: cache reset; keys are under a fresh namespace", resets=self.scheduler.resets)
         return True
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # with asynchronous saves, vLLM keeps the blocks until get_finished reports the saves done; a
         # P/D producer's request names what it stored, for the proxy to hand to the decoder
         params = self.scheduler.transfer_params(request.request_id)
         held = self.scheduler.request_finished(request.request_id)
         return held and self.async_save, params
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -381,16 +407,17 @@ class KVStoreConnector(KVConnectorBase_V1):
                              f"(expected backend {backend}, {dtype}, {block_bytes} bytes per layer and block)")
         self.layout = layout
         bpp = self.ns.page_tokens // self.block_size
-        self.worker = WorkerSide(self.client, layout, self.block_size, bpp, kv_caches, self.tp_rank,
-                                 self.worker_stats)
+        def side(client: KVCacheClient) -> WorkerSide:
+            return WorkerSide(client, layout, self.block_size, bpp, kv_caches, self.tp_rank, self.worker_stats,
+                              groups=self.group_layers)
+
+        self.worker = side(self.client)
         if self.async_save and self.saves:  # its own connection: a save in progress never holds up a load
             self.save_client = self._connect()
-            self.saver = AsyncSaver(WorkerSide(self.save_client, layout, self.block_size, bpp, kv_caches,
-                                               self.tp_rank, self.worker_stats))
+            self.saver = AsyncSaver(side(self.save_client))
         if self.async_load and self.loads:
             self.load_client = self._connect()
-            self.loader = AsyncLoader(WorkerSide(self.load_client, layout, self.block_size, bpp, kv_caches,
-                                                 self.tp_rank, self.worker_stats))
+            self.loader = AsyncLoader(side(self.load_client))
         log.info("kvstore connector registered the KV cache", layout=layout.name, layers=len(kv_caches),
                  page_bytes=self.worker.page_bytes)
 

