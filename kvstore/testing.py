@@ -427,6 +427,29 @@ def make_tiny_gemma3(path: Path, *, sliding_window: int = 256, vocab: int = 1024
     return path
 
 
+def make_tiny_gpt_oss(path: Path, *, sliding_window: int = 128, vocab: int = 1024, seed: int = 0) -> Path:
+    """Save a random-weight gpt-oss (``GptOssForCausalLM``, bfloat16: layers sliding, full,
+    sliding, full, attention sinks, 4 experts of which 2 per token; 2 KV heads of 64) and the
+    tokenizer of ``make_tiny_llama`` under ``path``. vLLM's hybrid KV cache manager gives it two
+    KV cache groups of two layers: one sliding-window, one full-attention."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = GptOssConfig(vocab_size=vocab, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=sliding_window,
+                       layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=16384,
+                       initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       tie_word_embeddings=False)
+    model: Any = GptOssForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
+    _save_word_tokenizer(path, vocab)
+    return path
+
+
 def make_tiny_hybrid(path: Path, *, vocab: int = 1024, seed: int = 0) -> Path:
     """Save a random-weight Mamba/attention hybrid (a Granite-4.0-H-like ``GraniteMoeHybrid``:
     Mamba2, attention, Mamba2, attention; bfloat16) and the tokenizer of ``make_tiny_llama``

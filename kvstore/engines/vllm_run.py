@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--pause-file")
     ap.add_argument("--update-weights-before", type=int, help="update the weights in place before this prompt")
     ap.add_argument("--in-process", action="store_true", help="vLLM's engine core and worker in this process")
+    ap.add_argument("--no-hybrid-manager", action="store_true",
+                    help="turn vLLM's hybrid KV cache manager off (as vLLM does for a connector without SupportsHMA)")
     a = ap.parse_args()
     if a.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
@@ -79,6 +81,8 @@ def main() -> int:
         if a.failure_policy:
             kw["kv_transfer_config"]["kv_load_failure_policy"] = a.failure_policy
     t0 = time.monotonic()
+    if a.no_hybrid_manager:
+        kw["disable_hybrid_kv_cache_manager"] = True
     llm = LLM(model=a.model, dtype="bfloat16", max_model_len=16384, enforce_eager=True, seed=0,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_cache, **kw)
     started = time.monotonic() - t0
