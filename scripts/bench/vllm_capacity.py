@@ -9,7 +9,8 @@ full-attention layers), three engines each, with the same KV cache memory
 ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager); and without a connector but with
 the hybrid manager off, which is what vLLM does for a connector without ``SupportsHMA`` (the
 connector before issue 24). The figure is vLLM's own "KV cache size: N tokens" line; each engine
-also runs one prompt, whose tokens must agree.
+also runs one prompt of 600 tokens: the connector's tokens must equal those without it (the
+tokens with the hybrid manager off are recorded beside them).
 """
 
 from __future__ import annotations
@@ -57,19 +58,21 @@ def main() -> int:
         with open(dev, "wb") as f:
             f.truncate((1 << 20) + 64 * (4096 + PAGE))
         make_store(home / "mass", "cap", [str(dev)], PAGE)
-        with ServiceProcess(home / "mass", "cap").start():
+        with ServiceProcess(home / "mass", "cap"):
             for name, make in MODELS.items():
                 model = make(home / name)
                 plain = run(home / "mass", model)
                 conn = run(home / "mass", model, "--store", "cap", "--page-tokens", "256")
                 off = run(home / "mass", model, "--no-hybrid-manager")
-                assert plain["tokens"] == conn["tokens"] == off["tokens"], (plain, conn, off)
+                assert plain["tokens"] == conn["tokens"], (plain, conn)  # the connector changes no token
                 rows.append({"model": name, "no_connector": plain["kv_tokens"], "kvstore": conn["kv_tokens"],
                              "hybrid_manager_off": off["kv_tokens"], "kvstore_hybrid_manager": conn["hybrid_manager"],
-                             "ratio_kvstore_to_off": round(conn["kv_tokens"] / off["kv_tokens"], 2)})
+                             "ratio_kvstore_to_off": round(conn["kv_tokens"] / off["kv_tokens"], 2),
+                             "tokens": plain["tokens"], "tokens_hybrid_manager_off": off["tokens"]})
                 print(f"{name:8s} KV tokens: no connector {plain['kv_tokens']:>9,}  kvstore {conn['kv_tokens']:>9,} "
                       f"(hybrid manager {'on' if conn['hybrid_manager'] else 'off'})  hybrid manager off "
-                      f"{off['kv_tokens']:>9,}  kvstore/off {rows[-1]['ratio_kvstore_to_off']}x", flush=True)
+                      f"{off['kv_tokens']:>9,}  kvstore/off {rows[-1]['ratio_kvstore_to_off']}x; tokens with the manager off "
+                      f"{'equal' if off['tokens'] == plain['tokens'] else 'differ'}", flush=True)
     write_record(a.json, rows, a)
     return 0
 
