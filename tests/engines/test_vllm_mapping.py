@@ -455,3 +455,55 @@ def test_lora_adapters_get_key_spaces_of_their_own_and_opaque_inputs_are_never_s
         assert set(saves) == {"base", "l1", "l2"}                  # the multimodal request saves nothing
         assert saves["base"].isdisjoint(saves["l1"]) and saves["l1"].isdisjoint(saves["l2"])
         assert s.num_new_matched_tokens("mm", prompt, 0) == 0      # ... and loads nothing
+
+
+def test_hybrid_groups_save_and_load_their_own_layers_and_a_hit_needs_each_window(store: Path) -> None:
+    """vLLM's hybrid manager: a sliding-window group (window of 2 pages, layer 0) and a full-attention
+    group (layers 1 and 2), each with its own block ids. Every group's part of a page is a page of
+    its own; a hit needs every full-attention page and the sliding group's window only, which is
+    all a load reads (vLLM puts null blocks before the window); a group's missing window is a miss."""
+    from kvstore.engines.vllm_mapping import Group, group_key
+
+    groups = (Group(2 * PAGE_TOKENS), Group())
+    layers = [["layer.0"], ["layer.1", "layer.2"]]
+    prompt = list(range(90000, 90000 + 5 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("vllm", home=store) as c:
+        src = caches(seed=21)
+        wa = WorkerSide(c, layout_of(src, "SIM", BS), BS, BPP, src, groups=layers)
+        assert wa.group_bytes == [PAGE_BYTES // 3, 2 * PAGE_BYTES // 3]
+        a = SchedulerSide(NS, BS, c.lookup, contains=c.contains, groups=groups)
+        blocks_a = [list(range(1, 12)), list(range(20, 31))]
+        a.schedule("r", prompt, blocks_a, True, 0, len(prompt))
+        saves = a.build_plan().saves
+        assert [(t.group, len(t.keys)) for t in saves] == [(0, 5), (1, 5)]
+        assert not set(saves[0].keys) & set(saves[1].keys)
+        base = a._keys("r", prompt[:5 * PAGE_TOKENS])
+        assert list(saves[1].keys) == [group_key(k, 1, 2) for k in base]
+        assert all(wa.save(t) == 5 for t in saves)
+        # another engine: the sliding group's blocks before the window (token 80 - 32 + 1) are null
+        dst = caches()
+        wb = WorkerSide(c, layout_of(dst, "SIM", BS), BS, BPP, dst, groups=layers)
+        b = SchedulerSide(NS, BS, c.lookup, contains=c.contains, groups=groups)
+        assert wait_for(lambda: b.num_new_matched_tokens("q", prompt, 0) == 5 * PAGE_TOKENS)
+        skipped = (5 * PAGE_TOKENS - 2 * PAGE_TOKENS + 1) // BS
+        blocks_b = [[0] * skipped + list(range(40, 40 + 10 - skipped)), list(range(50, 60))]
+        b.update_state_after_alloc("q", blocks_b, 5 * PAGE_TOKENS)
+        loads = b.build_plan().loads
+        assert [(t.group, len(t.keys)) for t in loads] == [(0, 2), (1, 5)]   # the window: pages 3 and 4
+        assert all(0 not in blk for t in loads for blk in t.block_ids)
+        for t in loads:
+            assert wb.load(t) == set()
+        for g, names in enumerate(layers):
+            pairs = [(x, y) for x, y in zip(blocks_a[g], blocks_b[g]) if y != 0]
+            for name in names:
+                for x, y in pairs:
+                    assert torch.equal(dst[name][y], src[name][x]), (name, x, y)
+        # nothing else was written: other layers' blocks and the null block stay zero
+        assert not dst["layer.0"][50:60].any() and not dst["layer.1"][40:48].any() and not dst["layer.0"][0].any()
+        # the full group's pages alone are no hit: the sliding group's window is missing
+        other = list(range(95000, 95000 + 5 * PAGE_TOKENS + 1))
+        a.schedule("o", other, blocks_a, True, 0, len(other))
+        full_only = [t for t in a.build_plan().saves if t.group == 1]
+        assert wa.save(full_only[0]) == 5
+        assert wait_for(lambda: c.lookup(list(full_only[0].keys)) == 5)
+        assert b.num_new_matched_tokens("o2", other, 0) == 0
