@@ -98,7 +98,8 @@ from typing import Any
 import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole, SupportsHMA)
+                                                              KVConnectorRole, KVConnectorTransferResults,
+                                                              SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -315,6 +316,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # kv_role: a producer (P/D prefill side) never loads, a consumer (decode side) never saves
         self.loads, self.saves = bool(tc.is_kv_consumer), bool(tc.is_kv_producer)
         self.async_load = bool(extra.get("async_load", True))
+        # several KV cache groups: vLLM takes no block-level load errors (block ids are not unique
+        # across groups); a failed load is reported as a failed request, which only an
+        # asynchronous load can be (get_transfer_results)
+        self.multi = len(groups) > 1
+        if self.multi and not self.async_load:
+            log.info("kvstore: several KV cache groups, loads are asynchronous (a failed one is reported "
+                     "per request)", groups=len(groups))
+            self.async_load = True
         pd_wait_s = float(extra.get("pd_wait_s", 5.0))
         if not 0 <= pd_wait_s <= 600:
             raise ValueError(f"kv_connector_extra_config pd_wait_s must be 0..600 seconds, got {pd_wait_s}")
@@ -411,8 +420,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout = layout
         bpp = self.ns.page_tokens // self.block_size
         def side(client: KVCacheClient) -> WorkerSide:
+            # one group: every registered layer, as before (layers sharing another's cache included)
             return WorkerSide(client, layout, self.block_size, bpp, kv_caches, self.tp_rank, self.worker_stats,
-                              groups=self.group_layers)
+                              groups=self.group_layers if self.multi else None)
 
         self.worker = side(self.client)
         if self.async_save and self.saves:  # its own connection: a save in progress never holds up a load
@@ -428,8 +438,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
         if self.loader is not None:
-            for t in meta.plan.loads:
-                self.loader.submit(t)
+            self.loader.submit_all(meta.plan.loads)  # a request is done only once every group's load is
             for req_id, blocks in meta.plan.failed.items():
                 self.loader.fail(req_id, blocks)
             return
@@ -459,26 +468,38 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
         t0 = time.perf_counter()
-        for t in meta.plan.saves:
-            self._had_saves.add(t.req_id)
-            if self.saver is not None:
-                self.saver.submit(t)
-            else:
+        self._had_saves.update(t.req_id for t in meta.plan.saves)
+        if self.saver is not None:
+            self.saver.submit_all(meta.plan.saves)
+        else:
+            for t in meta.plan.saves:
                 self.worker.save(t)
         dt = time.perf_counter() - t0
         self.save_s += dt
         if meta.plan.saves:
             self.worker_stats.add(save_stall_s=dt)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves done, loads done, and (several KV cache groups) loads that failed: vLLM then
+        recomputes such a request whole (with one group it recomputes only the blocks
+        ``get_block_ids_with_load_errors`` names)."""
         saved: set[str] = set()
         if self.saver is not None:
             self._finishing |= finished_req_ids & self._had_saves
             saved = {r for r in self._finishing if self.saver.done(r)}
             self._finishing -= saved
             self._had_saves -= saved
-        loaded = self.loader.take_done() if self.loader is not None else set()
-        return (saved or None), (loaded or None)
+        loaded, failed = self.loader.take_done() if self.loader is not None else (set(), set())
+        return KVConnectorTransferResults(finished_sending=saved, finished_recving=loaded,
+                                          failed_recving=failed if self.multi else set())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return (r.finished_sending or None), (r.finished_recving or None)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        # the scheduler's side: requests a worker could not load are computed, never looked up again
+        self.scheduler.load_failed(getattr(connector_output, "failed_recving", None) or ())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This side's counters since the last call (the scheduler's lookups, a worker's transfers)."""
@@ -500,7 +521,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         errors, self._load_errors = self._load_errors, set()
         if self.loader is not None:
             errors |= self.loader.take_errors()
-        return errors
+        # several groups: vLLM cannot map block ids to requests (they repeat across groups) and
+        # stops the engine on any; those loads are reported as failed requests instead
+        return set() if self.multi else errors
 
     def shutdown(self) -> None:
         if self.loader is not None:

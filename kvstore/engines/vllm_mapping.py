@@ -35,7 +35,7 @@ import time
 import warnings
 from typing import cast
 from contextlib import closing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -309,6 +309,7 @@ class SchedulerSide:
         self.saving: set[str] = set()  # requests with saves planned (their blocks are freed only once saved)
         self._known: set[str] = set()  # requests seen and not finished
         self._stale: set[str] = set()  # requests known at a reset: their KV may be of old weights, never saved
+        self._load_failed: set[str] = set()  # requests a worker could not load: computed from now on
         self.resets = 0
         self.skipped_saves = 0  # pages not saved: a null block in them, or out of the sliding window
         self.stats = TransferStats()  # lookups and skipped saves (the workers count the transfers)
@@ -380,8 +381,9 @@ class SchedulerSide:
         kept for the saves: pages it holds are never copied out again."""
         T = self.ns.page_tokens
         self._matched.pop(req_id, None)
+        self._loaded.pop(req_id, None)  # a new lookup plans anew (after a failed load, say)
         self._known.add(req_id)
-        if req_id in self._opaque:
+        if req_id in self._opaque or req_id in self._load_failed:
             return 0
         pd = self._pd.get(req_id)
         if pd and pd.get("do_remote_prefill") and self.load:
@@ -497,6 +499,14 @@ class SchedulerSide:
         self._matched[req_id] = (num_computed_tokens, first, keys[first:need])
         return end - num_computed_tokens
 
+    def load_failed(self, req_ids: Iterable[str]) -> None:
+        """Workers could not load these requests (vLLM recomputes them whole): they are not
+        looked up again, so a page that keeps looking present but cannot be read never loops."""
+        for r in req_ids:
+            if r in self._known:
+                self._load_failed.add(r)
+                self._loaded.pop(r, None)
+
     def _per_group(self, block_ids: BlockIds) -> list[list[int]]:
         """``block_ids`` as one list per group (a flat list is the one group's)."""
         if len(self.groups) == 1 and (not block_ids or isinstance(block_ids[0], int)):
@@ -572,7 +582,7 @@ class SchedulerSide:
         keys = self._prompt_keys(req_id, r.prompt) if tail else self._keys(req_id, r.prompt[:done * T])
         # a gap (a page not saved) matters to a P/D decoder only where it would load: any page of
         # a full-attention group, a sliding-window group's pages in the window before the prompt's end
-        end = (len(r.prompt) - self.min_computed) // bs * bs
+        end = (len(r.prompt) - 1) // bs * bs  # the most any decoder loads (min_computed 1)
         tails_ok = []
         for g, grp in enumerate(self.groups):
             blocks_g = r.blocks[g]
@@ -641,6 +651,7 @@ class SchedulerSide:
         self._salts.pop(req_id, None)
         self._loras.pop(req_id, None)
         self._opaque.discard(req_id)
+        self._load_failed.discard(req_id)
         self._pd.pop(req_id, None)
         self._pd_deadline.pop(req_id, None)
         self._known.discard(req_id)
@@ -808,9 +819,16 @@ class _TransferThread:
 
     def submit(self, t: PageTransfer) -> None:
         """Queue ``t`` (its blocks must stay untouched by vLLM until it is done)."""
+        self.submit_all([t])
+
+    def submit_all(self, ts: Sequence[PageTransfer]) -> None:
+        """Queue ``ts``, every one counted as pending before the first can run: a request with
+        a transfer per KV cache group is done only once all of them are."""
         with self.cv:
-            self.pending[t.req_id] = self.pending.get(t.req_id, 0) + 1
-        self.q.put(t)
+            for t in ts:
+                self.pending[t.req_id] = self.pending.get(t.req_id, 0) + 1
+        for t in ts:
+            self.q.put(t)
 
     def _do(self, t: PageTransfer) -> set[int]:
         raise NotImplementedError
@@ -828,7 +846,7 @@ class _TransferThread:
                 bad = self._do(t)
             finally:
                 with self.cv:
-                    self._account(bad)  # before the request can be reported done
+                    self._account(t, bad)  # before the request can be reported done
                     n = self.pending[t.req_id] - 1
                     if n:
                         self.pending[t.req_id] = n
@@ -837,8 +855,8 @@ class _TransferThread:
                         self._finished(t.req_id)
                     self.cv.notify_all()
 
-    def _account(self, bad: set[int]) -> None:
-        """Blocks the transfer could not move (``cv`` is held)."""
+    def _account(self, t: PageTransfer, bad: set[int]) -> None:
+        """Blocks transfer ``t`` could not move (``cv`` is held)."""
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish what is queued, then stop the thread."""
@@ -884,8 +902,9 @@ class AsyncLoader(_TransferThread):
     (``load_kv_async``), so the steps of running requests never wait for the store.
 
     Invariant: a request is reported done (``take_done``) only after every one of its loads has
-    finished and every block it could not fill is in ``errors``; vLLM writes none of those
-    blocks meanwhile (the request is not running).
+    finished, every block it could not fill is in ``errors`` and the request itself, if any
+    load of it failed, is in ``failed`` (reported with it); vLLM writes none of those blocks
+    meanwhile (the request is not running).
     """
 
     name = "kvstore-load"
@@ -893,13 +912,16 @@ class AsyncLoader(_TransferThread):
     def __init__(self, worker: WorkerSide) -> None:
         self.done: set[str] = set()
         self.errors: set[int] = set()
+        self.failed: set[str] = set()
         super().__init__(worker)
 
     def _do(self, t: PageTransfer) -> set[int]:
         return self.worker.load(t)
 
-    def _account(self, bad: set[int]) -> None:
+    def _account(self, t: PageTransfer, bad: set[int]) -> None:
         self.errors |= bad
+        if bad:
+            self.failed.add(t.req_id)
 
     def _finished(self, req_id: str) -> None:
         self.done.add(req_id)
@@ -908,14 +930,18 @@ class AsyncLoader(_TransferThread):
         """A request whose load could not be planned: its blocks are errors, and it is done."""
         with self.cv:
             self.errors |= set(blocks)
+            self.failed.add(req_id)
             if req_id not in self.pending:
                 self.done.add(req_id)
 
-    def take_done(self) -> set[str]:
-        """Requests whose loads all finished since the last call."""
+    def take_done(self) -> tuple[set[str], set[str]]:
+        """Requests whose loads all finished since the last call, and those of them that could
+        not load everything (vLLM with several KV cache groups recomputes such a request whole)."""
         with self.cv:
             out, self.done = self.done, set()
-            return out
+            failed = self.failed & out
+            self.failed -= failed
+            return out, failed
 
     def take_errors(self) -> set[int]:
         """Blocks that could not be filled, since the last call."""

@@ -208,7 +208,7 @@ def test_async_loads_report_errors_no_later_than_the_request(store: Path) -> Non
         for req, blocks in plan.failed.items():
             loader.fail(req, blocks)
         done: set[str] = set()
-        assert wait_for(lambda: done.update(loader.take_done()) or done == {"q", "z"}, 30), done
+        assert wait_for(lambda: done.update(loader.take_done()[0]) or done == {"q", "z"}, 30), done
         assert loader.take_errors() == {30, 31}                    # z recomputes
         for name in a:
             assert torch.equal(b[name][20:26], a[name][1:7])
@@ -217,7 +217,7 @@ def test_async_loads_report_errors_no_later_than_the_request(store: Path) -> Non
     broken = AsyncLoader(worker(c2, caches()))
     broken.submit(plan.loads[0])
     got: set[str] = set()
-    assert wait_for(lambda: got.update(broken.take_done()) or "q" in got, 30)
+    assert wait_for(lambda: got.update(broken.take_done()[0]) or "q" in got, 30)
     assert broken.take_errors() == set(range(20, 26))
     broken.close()
 
