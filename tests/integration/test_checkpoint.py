@@ -18,7 +18,7 @@ from kvstore.quickstart import page_bytes
 from kvstore.service.checkpoint import checkpoint_path
 from kvstore.testing import make_store, wait_for
 
-from .test_service import PS, check_batch, dev_size, keys_of, stats
+from .test_service import PS, check_batch, dev_size, keys_of, own_slots, stats
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def test_stale_checkpoint_gives_misses_never_wrong_pages(file_devices: Any, home
     the new keys are unknown (misses). Not one wrong page."""
     make_store(home, "st", file_devices.make(1, dev_size(64)), PS)
     svc = services(home, "st")
-    n = stats(svc).service.own_slots
+    n = own_slots(svc)
     old = keys_of("old", n)
     assert put_all(home, "st", old) == n
     assert svc.stop() == 0

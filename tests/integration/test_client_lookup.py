@@ -16,7 +16,7 @@ from kvstore.errors import ServiceLost
 from kvstore.quickstart import page_bytes
 from kvstore.testing import make_store, wait_for
 
-from .test_service import PS, dev_size, keys_of, stats
+from .test_service import PS, dev_size, keys_of, own_slots, stats
 
 import pytest
 
@@ -68,7 +68,7 @@ def test_pages_read_outlive_others_under_eviction(file_devices: Any, home: Path,
     read survive a wave of writes that evicts the pages around them."""
     make_store(home, "le", file_devices.make(1, dev_size(64)), PS, service=ServiceConfig(client_buffers=32))
     svc = services(home, "le")
-    n = stats(svc).service.own_slots
+    n = own_slots(svc)
     fill, wave = keys_of("F", n), keys_of("W", n // 2)
     with KVCacheClient.connect("le", home=home, timeout=10) as c:
         for i in range(0, n, 16):  # fills the area in slot order; every written page starts referenced

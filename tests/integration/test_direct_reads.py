@@ -21,7 +21,7 @@ from kvstore.quickstart import page_bytes
 from kvstore.shm.segment import Segment
 from kvstore.testing import make_store, wait_for
 
-from .test_service import PS, check_batch, dev_size, keys_of, stats
+from .test_service import PS, check_batch, dev_size, keys_of, own_slots, stats
 
 pytestmark = pytest.mark.integration
 
@@ -164,7 +164,7 @@ def test_killed_client_with_reads_posted_does_not_hold_slots(file_devices: Any, 
     reused like any other."""
     make_store(home, "kill", file_devices.make(1, dev_size(48)), PS, service=ServiceConfig(client_buffers=16))
     svc = services(home, "kill")
-    n = stats(svc).service.own_slots
+    n = own_slots(svc)
     first = [b"kill/%d" % i for i in range(n)]
     with KVCacheClient.connect("kill", home=home, timeout=10) as c:
         for i in range(0, n, 16):

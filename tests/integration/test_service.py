@@ -40,6 +40,13 @@ def stats(svc) -> object:  # type: ignore[no-untyped-def]
         seg.close()
 
 
+def own_slots(svc) -> int:  # type: ignore[no-untyped-def]
+    """The service's own slots, once its gauges are published (a tick after it answers: read at
+    once, they can still be 0)."""
+    assert wait_for(lambda: stats(svc).service.own_slots > 0, 30)  # type: ignore[attr-defined]
+    return int(stats(svc).service.own_slots)  # type: ignore[attr-defined]
+
+
 
 
 def keys_of(prefix: str, n: int) -> list[bytes]:
