@@ -29,7 +29,10 @@ What it does (logic in ``vllm_mapping.py``):
 * **A miss is never an error.** Blocks that could not be loaded are reported
   through ``get_block_ids_with_load_errors``; the connector sets
   ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``,
-  would end such a request with an error) and says so in the log.
+  would end such a request with an error) and says so in the log. With several KV cache
+  groups vLLM takes no block ids (they repeat across groups; it would stop the engine): a load
+  that fails is reported as a failed request (``get_transfer_results``), which vLLM computes
+  whole, and the connector never plans a load for it again; loads are then always asynchronous.
 * Loads are asynchronous (extra config ``async_load``, default true): vLLM
   parks a request that loads until the workers report its pages in
   (``get_finished``), and a thread with its own connection fills its blocks
