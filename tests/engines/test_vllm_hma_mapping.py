@@ -378,27 +378,31 @@ def test_fuzz_two_engines_chunked_prefill_preemption(store: Path, groups: list[t
         assert not any(e.errors for e in engines), [e.errors for e in engines]
 
 
+def planned_load(c: KVCacheClient, P: list[int]) -> tuple[Engine, Any]:
+    """Engine a saves ``P`` (Gemma-like groups); engine b's request "q" for it, allocated as vLLM
+    allocates an asynchronous load of 96 tokens: b and the step's plan (one load per group)."""
+    a = Engine(c, GEMMA_LIKE, budget=200)
+    a.add("a", P)
+    a.run()
+    assert not a.bad
+    time.sleep(0.5)
+    b = Engine(c, GEMMA_LIKE, budget=200)
+    b.add("q", P)
+    req = b.waiting[0]
+    blocks, local, _ = b.m.get_computed_blocks(req)
+    assert wait_for(lambda: b.sched.num_new_matched_tokens("q", P, local) == 96, 10)
+    b.m.allocate_slots(req, 0, num_new_computed_tokens=local, new_computed_blocks=blocks,
+                       num_external_computed_tokens=96, delay_cache_blocks=True)
+    b.sched.update_state_after_alloc("q", b.m.get_blocks("q").get_block_ids(), 96)
+    return b, b.sched.build_plan()
+
+
 def test_an_async_load_is_reported_done_only_after_every_group_is_loaded(store: Path) -> None:
     """start_load_kv submits one transfer per group; if the loader finishes group 0's before group
     1's is submitted (the step's thread descheduled between the two submits), the request is
     reported loaded while group 1's blocks are still unfilled, and then reported again."""
     with KVCacheClient.connect("hma", home=store) as c, KVCacheClient.connect("hma", home=store) as c2:
-        a = Engine(c, GEMMA_LIKE, budget=200)
-        P = prompt_of(7, 100)
-        a.add("a", P)
-        a.run()
-        assert not a.bad
-        time.sleep(0.5)
-        b = Engine(c, GEMMA_LIKE, budget=200)
-        b.add("q", P)
-        req = b.waiting[0]
-        blocks, local, _ = b.m.get_computed_blocks(req)
-        assert wait_for(lambda: b.sched.num_new_matched_tokens("q", P, local) == 96, 10)
-        ext = 96
-        b.m.allocate_slots(req, 0, num_new_computed_tokens=local, new_computed_blocks=blocks,
-                           num_external_computed_tokens=ext, delay_cache_blocks=True)
-        b.sched.update_state_after_alloc("q", b.m.get_blocks("q").get_block_ids(), ext)
-        plan = b.sched.build_plan()
+        b, plan = planned_load(c, prompt_of(7, 100))
         assert [t.group for t in plan.loads] == [0, 1, 2]
         loader = AsyncLoader(WorkerSide(c2, b.worker.layout, BS, BPP, dict(zip(
             [f"g{g}.l{k}" for k in range(NL) for g in range(3)], [t for t in b.tensors for _ in range(3)])),
@@ -432,20 +436,8 @@ def test_a_failed_load_with_several_groups_is_a_failed_request_never_block_ids(s
     from kvstore.engines.vllm import KVStoreConnector
 
     with KVCacheClient.connect("hma", home=store) as c, KVCacheClient.connect("hma", home=store) as c2:
-        a = Engine(c, GEMMA_LIKE, budget=200)
         P = prompt_of(8, 100)
-        a.add("a", P)
-        a.run()
-        time.sleep(0.5)
-        b = Engine(c, GEMMA_LIKE, budget=200)
-        b.add("q", P)
-        req = b.waiting[0]
-        blocks, local, _ = b.m.get_computed_blocks(req)
-        assert wait_for(lambda: b.sched.num_new_matched_tokens("q", P, local) == 96, 10)
-        b.m.allocate_slots(req, 0, num_new_computed_tokens=local, new_computed_blocks=blocks,
-                           num_external_computed_tokens=96, delay_cache_blocks=True)
-        b.sched.update_state_after_alloc("q", b.m.get_blocks("q").get_block_ids(), 96)
-        plan = b.sched.build_plan()
+        b, plan = planned_load(c, P)
         # the worker of tensor-parallel rank 1, whose pages nobody saved
         names = [[f"g{g}.l{k}" for k in range(NL)] for g in range(3)]
         kv = {n: b.tensors[k] for g in range(3) for k, n in enumerate(names[g])}
