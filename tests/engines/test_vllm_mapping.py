@@ -507,3 +507,72 @@ def test_hybrid_groups_save_and_load_their_own_layers_and_a_hit_needs_each_windo
         assert wa.save(full_only[0]) == 5
         assert wait_for(lambda: c.lookup(list(full_only[0].keys)) == 5)
         assert b.num_new_matched_tokens("o2", other, 0) == 0
+
+
+def test_state_groups_save_only_handed_off_boundaries_and_load_the_hits_end(store: Path) -> None:
+    """A Mamba hybrid (vLLM's "align" mode): a state group (layer ``mamba.0``, registered as vLLM
+    does, one int8 block-major tensor with padded blocks) and a full-attention group. A state
+    page is one block, saved only where vLLM hands off a block as a page end's state, never
+    from block-table positions; a hit needs the state page at its end, loaded into the block
+    vLLM allocated for that boundary; a hit on top of vLLM's own prefix-cache hit loads nothing."""
+    from kvstore.engines.vllm_mapping import Group, group_key
+
+    nbytes, pad = 1000, 1536
+    groups = (Group(state=True, state_label="sim"), Group())
+    layers = [["mamba.0"], ["layer.1", "layer.2"]]
+    prompt = list(range(70000, 70000 + 5 * PAGE_TOKENS + 1))
+
+    def kv(seed: int | None) -> dict[str, Any]:
+        out = caches(seed=seed)
+        del out["layer.0"]
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        buf = (torch.randint(-128, 127, (64, 1, 1, pad), generator=g, dtype=torch.int8) if g is not None
+               else torch.zeros((64, 1, 1, pad), dtype=torch.int8))
+        return {"mamba.0": buf[..., :nbytes], **out}
+
+    with KVCacheClient.connect("vllm", home=store) as c:
+        src = kv(31)
+        layout = layout_of(src, "SIM", BS, ["mamba.0"])
+        assert layout.state_layers == (("mamba.0", nbytes),) and ":S[1000]" in layout.name
+        wa = WorkerSide(c, layout, BS, BPP, src, groups=layers)
+        assert wa.group_bytes == [nbytes, 2 * PAGE_BYTES // 3]
+        a = SchedulerSide(NS, BS, c.lookup, contains=c.contains, groups=groups)
+        blocks_a = [[0] * 9 + [7, 8], list(range(20, 31))]  # the state group's table: nulls and scratch
+        a.schedule("r", prompt, blocks_a, True, 0, len(prompt))
+        plan = a.build_plan().saves
+        assert [(t.group, len(t.keys)) for t in plan] == [(1, 5)]  # no state page from positions
+        # hand-offs: page ends 2 and 5 of the state group; not a page end, another group, the null block
+        a.boundary_states({"r": [(0, 7, 2 * PAGE_TOKENS), (0, 8, 5 * PAGE_TOKENS), (0, 9, 5 * PAGE_TOKENS - 3),
+                                 (1, 21, PAGE_TOKENS), (0, 0, 3 * PAGE_TOKENS)], "unknown": [(0, 5, PAGE_TOKENS)]})
+        a.boundary_states({"r": [(0, 8, 5 * PAGE_TOKENS)]})  # handed off again: saved once
+        states = a.build_plan().saves
+        base = a._keys("r", prompt[:5 * PAGE_TOKENS])
+        assert [(t.group, t.keys, t.block_ids) for t in states] == [
+            (0, (group_key(base[1], 0, 2),), ((7,),)), (0, (group_key(base[4], 0, 2),), ((8,),))]
+        assert all(wa.save(t) == len(t.keys) for t in plan + states)
+        # another engine: its table for the hit's state is nulls, then the boundary's block (44)
+        dst = kv(None)
+        wb = WorkerSide(c, layout_of(dst, "SIM", BS, ["mamba.0"]), BS, BPP, dst, groups=layers)
+        b = SchedulerSide(NS, BS, c.lookup, contains=c.contains, groups=groups)
+        assert wait_for(lambda: b.num_new_matched_tokens("q", prompt, 0) == 5 * PAGE_TOKENS)
+        assert b.num_new_matched_tokens("local", prompt, PAGE_TOKENS) == 0  # on top of vLLM's own hit
+        b.update_state_after_alloc("q", [[0] * 9 + [44], list(range(50, 60))], 5 * PAGE_TOKENS)
+        loads = b.build_plan().loads
+        assert [(t.group, t.keys, t.block_ids) for t in loads if t.group == 0] == [
+            (0, (group_key(base[4], 0, 2),), ((44,),))]
+        for t in loads:
+            assert wb.load(t) == set()
+        assert torch.equal(dst["mamba.0"][44], src["mamba.0"][8])
+        others = [i for i in range(64) if i != 44]
+        assert not dst["mamba.0"][others].any()  # no other state block written, padding untouched
+        assert not torch.as_strided(dst["mamba.0"], (64, pad), (pad, 1))[:, nbytes:].any()
+        for name in layers[1]:
+            assert all(torch.equal(dst[name][y], src[name][x]) for x, y in zip(range(20, 30), range(50, 60)))
+        # the hit's end has no state page but an earlier page end has: the hit ends there
+        shorter = prompt[:4 * PAGE_TOKENS + 1]
+        assert b.num_new_matched_tokens("s", shorter, 0) == 2 * PAGE_TOKENS
+        # the boundary's block is null: nothing is read, the request is recomputed
+        assert b.num_new_matched_tokens("n", prompt, 0) == 5 * PAGE_TOKENS
+        b.update_state_after_alloc("n", [[0] * 10, list(range(50, 60))], 5 * PAGE_TOKENS)
+        plan_n = b.build_plan()
+        assert not plan_n.loads and set(plan_n.failed["n"]) == set(range(50, 60))
