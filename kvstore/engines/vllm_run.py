@@ -14,8 +14,9 @@ to first token (seconds, measured around a one-token generate of that prompt alo
 cache's block count.
 
 ``--pause-before K`` stops before prompt K (first run only): it creates ``PATH.ready`` and
-waits (at most 10 minutes) until ``PATH`` exists, so that a test can act on the store while
-this vLLM still holds its prefix cache. ``--update-weights-before K`` changes the weights in
+waits (at most 10 minutes) until ``PATH`` exists, so that a test can act on the store (or wait
+for it) while this vLLM still holds its prefix cache. Given again, it stops there too: the
+``n``-th pause (from 0) uses ``PATH`` for the first, ``PATH.n`` for later ones. ``--update-weights-before K`` changes the weights in
 place before prompt K (every parameter times 1.5, as an RL step would change them) and then
 calls ``reset_prefix_cache(reset_connector=True)``, vLLM's call after a weight update.
 
@@ -52,7 +53,8 @@ def main() -> int:
     ap.add_argument("--failure-policy", choices=["recompute", "fail"], help="kv_load_failure_policy to ask for")
     ap.add_argument("--kill-pid", type=int, help="SIGKILL this process before prompt --kill-before (a fault)")
     ap.add_argument("--kill-before", type=int, default=0)
-    ap.add_argument("--pause-before", type=int, help="wait for --pause-file before this prompt")
+    ap.add_argument("--pause-before", type=int, action="append", default=[],
+                    help="wait for --pause-file before this prompt (repeatable)")
     ap.add_argument("--pause-file")
     ap.add_argument("--update-weights-before", type=int, help="update the weights in place before this prompt")
     ap.add_argument("--in-process", action="store_true", help="vLLM's engine core and worker in this process")
@@ -61,7 +63,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
-    if a.pause_before is not None and not a.pause_file:
+    if a.pause_before and not a.pause_file:
         ap.error("--pause-before needs --pause-file")
     if a.update_weights_before is not None:
         # apply_model ships a function to the workers, which vLLM allows only when told to
@@ -100,8 +102,9 @@ def main() -> int:
         for i, p in enumerate(prompts):
             if a.kill_pid and i == a.kill_before:
                 os.kill(a.kill_pid, signal.SIGKILL)
-            if not out["runs"] and i == a.pause_before:
-                _pause(a.pause_file)
+            if not out["runs"] and i in a.pause_before:
+                n = sorted(a.pause_before).index(i)
+                _pause(a.pause_file if n == 0 else f"{a.pause_file}.{n}")
             if not out["runs"] and i == a.update_weights_before:
                 # by its module's name: run with -m, this file is __main__, which workers cannot import
                 from kvstore.engines import vllm_run

@@ -10,7 +10,6 @@ checked against the cold computation's, page by page, on the device.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,23 +66,35 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def test_pages_saved_from_a_block_table_with_null_blocks_are_the_cold_pages(cluster: Cluster) -> None:
     base = cluster.baseline  # type: ignore[attr-defined]
     pause = cluster.root / "pause"
+    again_at = 1 + len(XS)
     proc = cluster.start([P, *XS, P], "--store", "v", "--server", "a", "--pause-before", "1",
-                         "--pause-file", str(pause), name="a")
+                         "--pause-before", str(again_at), "--pause-file", str(pause), name="a")
+    n = whole(P) // PAGE_TOKENS
     try:
         assert wait_for(lambda: Path(str(pause) + ".ready").exists() or proc.poll() is not None, 400, 0.2)
         assert proc.poll() is None, (cluster.root / "a.log").read_text()[-4000:]
-        n = whole(P) // PAGE_TOKENS
         assert wait_for(lambda: cluster.stats("a").pages_written == n, 60), cluster.stats("a").pages_written
         cold = slots_of(cluster.dev, "a")          # P's pages as a cold prefill computed them
         assert len(cold) == n
+        pause.touch()
+        # before P again: every page of XS written, so the store (20 slots) has evicted P's (the
+        # device writes are asynchronous: without this wait, a busy machine could still hold them)
+        second = Path(f"{pause}.1")
+        assert wait_for(lambda: Path(f"{second}.ready").exists() or proc.poll() is not None, 400, 0.2)
+        assert proc.poll() is None, (cluster.root / "a.log").read_text()[-4000:]
+        assert wait_for(lambda: cluster.stats("a").pages_written == again_at * n, 60), \
+            cluster.stats("a").pages_written
     finally:
         pause.touch()
+        Path(f"{pause}.1").touch()
     got = cluster.result(proc, "a")
     assert [r["tokens"] for r in got[::4]] == [base[0]["tokens"]] * 2
     # the second P came from vLLM's prefix cache (24 of 25 blocks) with the store's copy evicted
     assert got[4]["cached_tokens"] == 24 * 128
-    assert wait_for(lambda: cluster.stats("a").pages_written >= 4 * n, 60)
-    time.sleep(1)  # the last write lands
+    # the page saved again has landed (the process wrote it before it ended; the device write is
+    # asynchronous)
+    assert wait_for(lambda: cluster.stats("a").pages_written >= again_at * n + 1, 60), \
+        cluster.stats("a").pages_written
     now = slots_of(cluster.dev, "a")
     again = {d: v for d, v in now.items() if d in cold}
     resaved = [d for d, v in again.items() if v[:2] != cold[d][:2]]
