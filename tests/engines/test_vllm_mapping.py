@@ -514,7 +514,7 @@ def test_state_groups_save_only_handed_off_boundaries_and_load_the_hits_end(stor
     does, one int8 block-major tensor with padded blocks) and a full-attention group. A state
     page is one block, saved only where vLLM hands off a block as a page end's state, never
     from block-table positions; a hit needs the state page at its end, loaded into the block
-    vLLM allocated for that boundary; a hit on top of vLLM's own prefix-cache hit loads nothing."""
+    vLLM allocated for that boundary, also on top of a hit in vLLM's own prefix cache."""
     from kvstore.engines.vllm_mapping import Group, group_key
 
     nbytes, pad = 1000, 1536
@@ -555,7 +555,11 @@ def test_state_groups_save_only_handed_off_boundaries_and_load_the_hits_end(stor
         wb = WorkerSide(c, layout_of(dst, "SIM", BS, ["mamba.0"]), BS, BPP, dst, groups=layers)
         b = SchedulerSide(NS, BS, c.lookup, contains=c.contains, groups=groups)
         assert wait_for(lambda: b.num_new_matched_tokens("q", prompt, 0) == 5 * PAGE_TOKENS)
-        assert b.num_new_matched_tokens("local", prompt, PAGE_TOKENS) == 0  # on top of vLLM's own hit
+        # on top of vLLM's own hit of one page: the rest, and the state at the hit's end
+        assert b.num_new_matched_tokens("local", prompt, PAGE_TOKENS) == 4 * PAGE_TOKENS
+        b.update_state_after_alloc("local", [[0] * 9 + [45], list(range(70, 80))], 4 * PAGE_TOKENS)
+        local = b.build_plan().loads
+        assert [(t.group, len(t.keys), t.block_ids[-1]) for t in local] == [(0, 1, (45,)), (1, 4, (78, 79))]
         b.update_state_after_alloc("q", [[0] * 9 + [44], list(range(50, 60))], 5 * PAGE_TOKENS)
         loads = b.build_plan().loads
         assert [(t.group, t.keys, t.block_ids) for t in loads if t.group == 0] == [
