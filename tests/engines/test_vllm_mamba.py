@@ -21,9 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.storage.device import read_superblock
+from kvstore.storage.header import HEADER_BLOCK
 from kvstore.testing import make_tiny_hybrid, wait_for
 
 from .test_vllm_real import Cluster, prompt
+from .test_vllm_sliding import slots_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,14 +37,15 @@ ARGS = ("--max-num-batched-tokens", str(BLOCK), "--page-tokens", str(BLOCK))
 P = prompt(41, 1300)          # three whole pages (1,152 tokens) and 148 more
 Q = prompt(42, 800)           # two whole pages, 32 more
 R = P[:600]                   # P's first page and more: vLLM keeps its state at 384
+S = prompt(43, 1000)          # two whole pages: its state page (768) is corrupted on the device
 HITS = [1152, 768]
 
 
 def test_mamba_hybrid_state_is_saved_at_page_ends_and_a_new_server_resumes_from_it(tmp_path: Path) -> None:
     c = Cluster(tmp_path, page=PAGE, model=make_tiny_hybrid)
     try:
-        base = c.run([P, Q, P, Q], *ARGS, name="baseline")  # cold, then vLLM's own prefix-cache hits
-        assert [r["cached_tokens"] for r in base[2:]] == HITS
+        base = c.run([P, Q, P, Q, S], *ARGS, name="baseline")  # cold, vLLM's own prefix-cache hits, S cold
+        assert [r["cached_tokens"] for r in base[2:4]] == HITS
         saved = c.run([P, Q], *ARGS, "--store", "v", "--server", "a", name="a", processes=True)
         assert c.records["a"]["hybrid_manager"] is True
         assert c.records["a"]["kv_blocks"] == c.records["baseline"]["kv_blocks"]  # full KV capacity
@@ -56,7 +60,7 @@ def test_mamba_hybrid_state_is_saved_at_page_ends_and_a_new_server_resumes_from_
         assert [r["cached_tokens"] for r in got] == HITS
         assert [r["tokens"] for r in got] == [r["tokens"] for r in base[:2]]
         # bit-identical to vLLM's own prefix-cache hit: the same KV and the same state
-        assert [r["logprobs"] for r in got] == [r["logprobs"] for r in base[2:]]
+        assert [r["logprobs"] for r in got] == [r["logprobs"] for r in base[2:4]]
         # every attention page of each hit, and one state page (the hit's end)
         assert c.stats("b").pages_read - read0 == sum(h // BLOCK + 1 for h in HITS)
         # vLLM's own prefix cache on b holds R's state at 384 when P comes: the store's longer hit
@@ -65,5 +69,24 @@ def test_mamba_hybrid_state_is_saved_at_page_ends_and_a_new_server_resumes_from_
         got = c.run([R, P], *ARGS, "--store", "v", "--server", "b", name="b-local")
         assert got[1]["cached_tokens"] == HITS[0]
         assert got[1]["tokens"] == base[0]["tokens"] and got[1]["logprobs"] == base[2]["logprobs"]
+        # a state page that went bad on the device (one byte of its payload flipped) after a saved it:
+        # b's lookup finds S, its load fails validation, and vLLM computes S whole, as cold
+        before = slots_of(c.dev, "a", PAGE)
+        c.run([S], *ARGS, "--store", "v", "--server", "a", name="a-s")
+        assert wait_for(lambda: c.stats("a").pages_written == written + len(S) // BLOCK + 1, 60)
+        new = {d: v for d, v in slots_of(c.dev, "a", PAGE).items() if d not in before}
+        states = [slot for slot, _g, payload in new.values() if not any(payload[2 * STATE:])]
+        assert len(new) == 3 and len(states) == 1, (len(new), len(states))
+        sb = read_superblock(c.dev)
+        area = next(a for a in sb.areas if a.server == "a")
+        with open(c.dev, "r+b") as f:
+            f.seek(area.offset + states[0] * sb.slot_size + HEADER_BLOCK + 1000)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        bad0 = c.stats("b").validation_failures
+        got = c.run([S], *ARGS, "--store", "v", "--server", "b", name="b-bad")
+        assert got[0]["tokens"] == base[4]["tokens"] and got[0]["logprobs"] == base[4]["logprobs"]
+        assert c.stats("b").validation_failures > bad0
     finally:
         c.close()
