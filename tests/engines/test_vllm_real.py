@@ -254,6 +254,59 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
+class ApiServer:
+    """vLLM's OpenAI server on 127.0.0.1 for ``c``'s model, with the connector in ``role`` for ``server``
+    of store v (``role`` None: without the connector); ``extra`` adds to the connector's config."""
+
+    def __init__(self, c: Cluster, server: str, role: str | None, name: str, *, extra: dict[str, Any] | None = None,
+                 transfer: dict[str, Any] | None = None) -> None:
+        self.port = free_port()
+        self.log = c.root / f"{name}.log"
+        kvcfg = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.engines.vllm",
+                 "kv_role": role, **(transfer or {}),
+                 "kv_connector_extra_config": {"store": "v", "server": server, "page_tokens": PAGE_TOKENS,
+                                               **(extra or {})}}
+        with open(self.log, "w") as lf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model), "--host",
+                 "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "4096",
+                 "--enforce-eager", *(["--kv-transfer-config", json.dumps(kvcfg)] if role else [])],
+                env={**os.environ, **ENV, "MASS_HOME": str(c.home)}, stdout=lf, stderr=subprocess.STDOUT, cwd=c.root)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(self.log.read_text()[-4000:])
+        try:
+            return urllib.request.urlopen(self.url + "/health", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def wait_healthy(self) -> None:
+        assert wait_for(self.healthy, 300, 0.5), self.log.read_text()[-4000:]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def complete(url: str, model: str, p: list[int], max_tokens: int = 8) -> tuple[dict[str, Any], float]:
+    """The greedy completion of ``p`` from ``url`` (a server or the P/D proxy), and the decode leg's
+    seconds where the proxy reports them (0 otherwise)."""
+    body = json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read()), float(r.headers.get("X-Decode-Seconds", 0))
+
+
 def test_openai_server_answers_with_the_connector_and_reports_its_metrics(cluster: Cluster) -> None:
     """The README's server command, on 127.0.0.1, answers completion requests; a prompt server a saved
     is loaded from the store, and vLLM's /metrics shows the connector's counters and the tokens as
@@ -261,33 +314,12 @@ def test_openai_server_answers_with_the_connector_and_reports_its_metrics(cluste
     p_new, p_miss = prompt(9, 700), prompt(10, 600)  # two whole pages each
     cluster.run([p_new], "--store", "v", "--server", "a", name="metrics-a")
     assert wait_for(lambda: cluster.stats("b").slots_valid >= 17, 60)  # 15 before, and p_new's 2
-    port = free_port()
-    kvcfg = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.engines.vllm",
-             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-             "kv_connector_extra_config": {"store": "v", "server": "b", "page_tokens": PAGE_TOKENS}}
-    log = cluster.root / "api.log"
-    with open(log, "w") as lf:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(cluster.model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                                 "--max-model-len", "4096", "--enforce-eager", "--kv-transfer-config", json.dumps(kvcfg)],
-                                env={**os.environ, **ENV, "MASS_HOME": str(cluster.home)}, stdout=lf,
-                                stderr=subprocess.STDOUT, cwd=cluster.root)
+    api = ApiServer(cluster, "b", "kv_both", "api", transfer={"kv_load_failure_policy": "recompute"})
+    port = api.port
     try:
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(log.read_text()[-4000:])
-            try:
-                return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
-            except OSError:
-                return False
-
-        assert wait_for(healthy, 240, 0.5), log.read_text()[-4000:]
+        api.wait_healthy()
         for p in (p_new, p_miss):
-            body = json.dumps({"model": str(cluster.model), "prompt": p, "max_tokens": 4, "temperature": 0}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                out = json.loads(r.read())
+            out = complete(api.url, str(cluster.model), p, max_tokens=4)[0]
             assert out["usage"]["completion_tokens"] == 4
             assert out["choices"][0]["finish_reason"] == "length"
         page_bytes = PAGE
@@ -303,12 +335,7 @@ def test_openai_server_answers_with_the_connector_and_reports_its_metrics(cluste
             {k: got.get(k) for k in want}
         assert got["vllm:kvstore_load_s_total"] > 0 and got["vllm:kvstore_save_s_total"] > 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        api.stop()
 
 
 def test_every_connector_counter_is_documented() -> None:
