@@ -46,6 +46,20 @@ def script_args(doc: str | None, *, raw: bool = False) -> argparse.ArgumentParse
     return ap
 
 
+def _load_now() -> dict[str, Any]:
+    """How busy the machine was as the run ended: the load averages and, where the kernel reports
+    it, the share of time runnable tasks waited for a CPU (``/proc/pressure/cpu``, "some": 10 s,
+    60 s and 300 s averages, in %; the script's own processes count too). A run taken while other
+    work held the cores shows higher figures than its neighbours."""
+    out: dict[str, Any] = {"loadavg": list(os.getloadavg())}
+    try:
+        some = Path("/proc/pressure/cpu").read_text().splitlines()[0].split()[1:4]
+        out["cpu_pressure_pct"] = [float(f.split("=")[1]) for f in some]
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
 def write_record(path: str | Path | None, results: Any, args: argparse.Namespace | None = None) -> None:
     """Write a script's run as one JSON shape: which script, when, on what machine, with which
     arguments, and its ``results`` (nothing when ``path`` is None)."""
@@ -54,7 +68,8 @@ def write_record(path: str | Path | None, results: Any, args: argparse.Namespace
     record = {
         "script": Path(sys.argv[0]).name,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+                    **_load_now()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} if args else {},
         "results": results,
     }

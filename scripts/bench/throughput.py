@@ -23,9 +23,10 @@ For each target device it runs, back to back:
    same with synchronous ``get`` calls of 32 (for comparison), every byte
    checked after the timed part, then single-page gets for latency; also
    ``put(wait=True)`` in batches of 32 (an engine's save that waits), against
-   fio's write.
+   fio's write, and single-page ``put(wait=True)`` for latency, against fio writing one
+   block at a time (queue depth 1).
 
-It prints GB/s for both, the ratios, and get p50/p99 against fio's qd1 latency.
+It prints GB/s for both, the ratios, and get and put p50/p99 against fio's qd1 latency.
 Targets: ``shm-loop`` is a loop device over a file in /dev/shm (needs root;
 software overhead dominates), ``disk-file`` a plain file on the disk under
 ``--dir``, ``PATH`` any existing device or file (its content is destroyed).
@@ -117,7 +118,8 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
                    worker=wcfg, force=True)
         runs: dict[str, list[dict]] = {k: [] for k in ("fio_write", "fio_randread", "fio_randread_qd1",
                                                        "fio_randread_verify", "kvstore_put", "kvstore_put_wait32",
-                                                       "kvstore_get", "kvstore_get_sync32", "kvstore_get_qd1")}
+                                                       "kvstore_get", "kvstore_get_sync32", "kvstore_get_qd1",
+                                                       "fio_randwrite_qd1", "kvstore_put_qd1")}
         wrong_total = 0
         with ServiceProcess(home, "bench") as svc:
             pages = [np.random.default_rng(i).integers(0, 256, page_size, dtype=np.uint8) for i in range(8)]
@@ -189,6 +191,17 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
                                         wait=True).stored
                     t_put = time.perf_counter() - t0
                     runs["kvstore_put_wait32"].append({"gbps": stored * page_size / t_put / 1e9, "pages": stored})
+                    # one page saved and waited for, one after another (an engine saving a request's
+                    # last page; LMCache's queue-depth-1 store), against fio writing one block at a time
+                    lat = []
+                    for j in range(lat_samples):
+                        t1 = time.perf_counter()
+                        c.put([b"bench1/%d/%d" % (rep, j)], [pages[j % 8]], wait=True)
+                        lat.append(time.perf_counter() - t1)
+                    lat.sort()
+                    runs["kvstore_put_qd1"].append({"p50_us": statistics.median(lat) * 1e6,
+                                                    "p99_us": lat[int(len(lat) * 0.99) - 1] * 1e6})
+                    runs["fio_randwrite_qd1"].append(fio(dev, "randwrite", slot, 1, span, data_off, runtime=2))
             snap = sb.snapshot()
             res["service_get_p50_us_bucket"] = snap.get_latency.percentile(50) * 1e6
             res["worker_read_p50_us_bucket"] = snap.read_latency[0].percentile(50) * 1e6
@@ -250,6 +263,9 @@ def main() -> int:
         print(f"  fio randread qd1   p50 {r['fio_randread_qd1']['p50_us']:8.1f} us  p99 {r['fio_randread_qd1']['p99_us']:8.1f} us")
         print(f"  kvstore get 1 page p50 {r['kvstore_get_qd1']['p50_us']:8.1f} us  p99 {r['kvstore_get_qd1']['p99_us']:8.1f} us"
               f"   (target p50 <= {r['get_p50_budget_us']:.1f} us)")
+        print(f"  fio randwrite qd1  p50 {r['fio_randwrite_qd1']['p50_us']:8.1f} us  p99 {r['fio_randwrite_qd1']['p99_us']:8.1f} us")
+        print(f"  kvstore put(wait) 1 page p50 {r['kvstore_put_qd1']['p50_us']:6.1f} us  p99 "
+              f"{r['kvstore_put_qd1']['p99_us']:8.1f} us")
         print(f"  inside: worker read p50 <= {r['worker_read_p50_us_bucket']:.0f} us, supervisor get p50 <= "
               f"{r['service_get_p50_us_bucket']:.0f} us (log2 buckets, all gets)")
     write_record(a.json, results, a)

@@ -255,6 +255,35 @@ def test_writes_finishing_after_an_unwaited_put_do_not_touch_the_next_call(home:
         assert lost == 0, f"{lost} hits reported as misses"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_supervisor_polls_briefly_after_small_requests_then_sleeps(home: Path, file_devices,  # type: ignore[no-untyped-def]
+                                                                       services) -> None:
+    """After a small request the supervisor's loop polls for a moment (``SPIN_S``) instead of
+    sleeping at once; once the requests stop it sleeps on its doorbell: an idle service spends
+    next to no CPU (a loop that kept polling would spend a core's share of the wall time)."""
+    from kvstore.service.supervisor import SPIN_S
+    assert SPIN_S < 0.05  # a poll, not a busy loop
+    devs = file_devices.make(1, dev_size(64))
+    make_store(home, "idle", devs, PS, service=ServiceConfig(client_buffers=8, max_clients=2))
+    svc = services(home, "idle")
+    with KVCacheClient.connect("idle", home=home) as c:
+        for i in range(50):  # one-page saves and lookups: each turn moves at most SPIN_PAGES pages
+            k = [b"idle/%d" % i]
+            assert c.put(k, [page_bytes(k[0], PS)], wait=True).stored == 1
+            assert c.lookup(k) == 1
+        time.sleep(0.5)  # well past the last poll
+        t0, c0 = time.monotonic(), cpu_seconds(svc.proc.pid)
+        time.sleep(2.0)
+        used = (cpu_seconds(svc.proc.pid) - c0) / (time.monotonic() - t0)
+    # asleep: its 20 ms ticks (well under 10% of a core); polling, even beside CPU hogs, far more
+    assert used < 0.15, f"the idle supervisor used {used:.0%} of a core"
+
+
 def test_max_clients_gets_the_open_files_it_needs(file_devices, home: Path, services) -> None:  # type: ignore[no-untyped-def]
     """Each connection holds three descriptors in the supervisor and two in each worker. Started with
     a soft limit of 256 open files (a hard one of 4096), a service for 300 clients raises its own
