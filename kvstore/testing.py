@@ -51,7 +51,11 @@ def _load_now() -> dict[str, Any]:
     it, the share of time runnable tasks waited for a CPU (``/proc/pressure/cpu``, "some": 10 s,
     60 s and 300 s averages, in %; the script's own processes count too). A run taken while other
     work held the cores shows higher figures than its neighbours."""
-    out: dict[str, Any] = {"loadavg": list(os.getloadavg())}
+    out: dict[str, Any] = {}
+    try:
+        out["loadavg"] = list(os.getloadavg())
+    except OSError:
+        pass
     try:
         some = Path("/proc/pressure/cpu").read_text().splitlines()[0].split()[1:4]
         out["cpu_pressure_pct"] = [float(f.split("=")[1]) for f in some]

@@ -77,12 +77,9 @@ class Requests:
         self._ins_gids: list[int] = []
         self._ins_lens: list[int] = []
         self._finish: list[Request] = []  # puts to answer at ``_settle``, once their pages are indexed
-        self.pages = 0  # pages the last turn's requests and completions moved
 
     def turn(self, now: float) -> int:
-        """One turn of the loop: completions first, then requests; returns how many were handled
-        (``pages``: how many pages they moved)."""
-        self.pages = 0
+        """One turn of the loop: completions first, then requests; returns how many were handled."""
         return self.drain() + self.serve()
 
     def queued(self, device: int) -> bool:
@@ -115,7 +112,6 @@ class Requests:
                 self.st.stats.add("requests_rejected")
                 answer(conn, int(m["desc"]), int(m["seq"]), got)
                 continue
-            self.pages += max(1, got.count)
             self._handle(got)
         return n
 
@@ -424,7 +420,6 @@ class Requests:
                 if op is None:
                     continue
                 n += 1
-                self.pages += 1
                 self._complete(op, status)
         self._settle()
         return n

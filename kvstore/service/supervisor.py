@@ -67,13 +67,6 @@ from .workers import Workers
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.02
-# After a turn that moved at most SPIN_PAGES pages (requests and the service's own I/O; a client's
-# direct reads do not count) the loop polls, yielding the core, for SPIN_S before it sleeps on the
-# doorbell: a one-page save's write completes, and an engine's next small request arrives, within
-# it, and each avoided sleep saves a wake-up on both sides (1-page put(wait) p50 -23..-28% on the
-# 2-core machine, docs/BENCHMARKS.md). A stream of larger batches never polls: its turns move more.
-SPIN_S = 0.0005
-SPIN_PAGES = 2
 
 
 class Supervisor:
@@ -216,7 +209,7 @@ class Supervisor:
         """Serve until ``stop`` is set (SIGTERM/SIGINT) or the service gives up, then shut down."""
         st, p = self.st, self.parts
         assert st is not None and self.doorbell is not None
-        last = busy = 0.0  # busy: when a turn last moved a few pages (SPIN_PAGES)
+        last = 0.0
         try:
             while not (self.stop or st.stopping):
                 now = time.monotonic()
@@ -226,11 +219,7 @@ class Supervisor:
                 if now - last >= TICK_S:
                     last = now
                     self._tick(now)
-                if n:
-                    busy = now if 0 < p["requests"].pages <= SPIN_PAGES else 0.0
-                elif now - busy < SPIN_S:
-                    os.sched_yield()  # a small save's completion, or the engine's next request, is near
-                else:
+                if n == 0:
                     self.doorbell.wait(TICK_S)
         finally:
             self.refused = st.refused
