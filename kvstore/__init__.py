@@ -19,6 +19,8 @@ what is below it. tests/test_layers.py checks every import against ``_LAYERS``.
 from .client import KVCacheClient as KVCacheClient
 from .client import PageBatch as PageBatch
 from .client import PageReservation as PageReservation
+from .client import PendingGet as PendingGet
+from .client import PendingPut as PendingPut
 from .client import PutResult as PutResult
 from .config import ServerConfig as ServerConfig
 from .config import ServiceConfig as ServiceConfig
@@ -41,7 +43,7 @@ from .errors import WouldBlock as WouldBlock
 
 __all__ = [
     "AddressUnavailable", "AlreadyRunning", "ClosedError", "CorruptPage", "DeviceMismatch", "KVCacheClient", "KVStoreError",
-    "NotAllowed", "PageBatch", "PageReservation", "PutResult", "QuotaExceeded", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
+    "NotAllowed", "PageBatch", "PageReservation", "PendingGet", "PendingPut", "PutResult", "QuotaExceeded", "ServerConfig", "ServiceConfig", "ServiceLost", "StoreConfig",
     "StoreNotFound", "Timeout", "ViewsInUse", "WorkerConfig", "WorkerLost", "WouldBlock",
 ]
 __version__ = "0.1.0"

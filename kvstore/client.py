@@ -303,6 +303,77 @@ class PendingGet:
         self._forget()  # never waited for: its buffers come back
 
 
+@dataclass
+class _PutPart:
+    """A sub-batch of a put, posted in descriptor ``d`` as request ``seq``."""
+
+    d: P.Descriptor
+    seq: int
+    bufs: list[int]
+    results: list[int] | None = None  # its per-page results, once its answer was taken
+    error: BaseException | None = None  # or why there are none
+
+
+class PendingPut:
+    """A ``put`` whose pages are being written (``KVCacheClient.put_async``): ``result()``
+    returns once they are on the device and indexed, as ``put(wait=True)`` does."""
+
+    def __init__(self, client: KVCacheClient, parts: list[_PutPart], deadline: float) -> None:
+        self._client = client
+        self._parts = parts
+        self._deadline = deadline
+        self._result: PutResult | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether ``result()`` would return (or raise) without waiting."""
+        c = self._client
+        with c._lock:
+            if self._result is not None or self._error is not None:
+                return True
+            if c._closed:
+                return True
+            c._harvest()
+            return all(p.results is not None or p.error is not None for p in self._parts)
+
+    def result(self) -> PutResult:
+        """Wait for the writes (until the timeout given to ``put_async``, counted from then)
+        and return what ``put(wait=True)`` would have; the same again on later calls.
+
+        Raises:
+            Timeout, ServiceLost: as ``put`` (a sub-batch the service had not started is not
+                written; one it had started may still be). Raised again on later calls.
+            ClosedError: the client closed before the answers were taken (the writes the
+                service had taken still complete).
+        """
+        c = self._client
+        with c._lock:
+            if self._result is not None:
+                return self._result
+            if self._error is not None:
+                raise self._error
+            if c._closed:
+                raise ClosedError("client is closed; this put's outcome is unknown")
+            try:
+                for part in self._parts:
+                    if part.results is None and part.error is None:
+                        c._take_part(part, self._deadline)
+                    if part.error is not None:
+                        raise part.error
+            except BaseException as e:
+                self._error = e
+                for part in self._parts:  # the rest: the service's until answered (``_await`` on timeout)
+                    if part.results is None and part.error is None:
+                        c._take_part(part, time.monotonic())
+                raise
+            finally:
+                if self in c._pending_puts and (self._error is not None or all(
+                        p.results is not None or p.error is not None for p in self._parts)):
+                    c._pending_puts.remove(self)
+            self._result = _put_result([r for part in self._parts for r in (part.results or [])])
+            return self._result
+
+
 class KVCacheClient:
     """A connection to the local cache service of one store.
 
@@ -355,6 +426,7 @@ class KVCacheClient:
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
         self._dropped: list[_Reads] = []  # gets posted and never waited for (``PendingGet.__del__``)
+        self._pending_puts: list[PendingPut] = []  # ``put_async`` calls with answers not taken yet
         self._salt: bytes = hello["salt"]
         self._salt_seq = 0  # the channel's keyspace word when ``_salt`` was taken (see ``_tenant_salt``)
         lay = ControlLayout.of(hello["slots"])
@@ -551,6 +623,8 @@ class KVCacheClient:
         """A request descriptor this client owns: a free one, or one the service gave back
         after answering a timed-out call."""
         while True:
+            if self._pending_puts:  # answers of ``put_async`` calls nobody waited for yet
+                self._harvest()
             for i, d in enumerate(self._chan.desc):
                 st = d.state
                 if i in self._abandoned:
@@ -945,6 +1019,45 @@ class KVCacheClient:
                 sub-batch the service had not started when the call timed out is not
                 written; one it had started may still be).
         """
+        keys, views = self._page_views(keys, pages)
+        deadline = self._deadline(timeout)
+        ids, _ = key_digests(keys)
+        with self._lock:
+            self._check_open()
+            results = self._put_stream(ids, self._copier(views, deadline), wait, deadline)
+        return _put_result(results)
+
+    def put_async(self, keys: Sequence[bytes], pages: Sequence[Any], *, timeout: float | None = None) -> PendingPut:
+        """Start saving ``pages[i]`` under ``keys[i]``; ``result()`` of the returned
+        ``PendingPut`` waits for the writes, as ``put(wait=True)``.
+
+        Returns once every page is copied and handed to the service, so the caller's pages
+        may change from then on, and the next batch can be prepared while these are written:
+        an engine that keeps two or three puts in flight keeps the device busy between them
+        (``put(wait=True)`` in a loop lets its queue drain at each call's end). A connection
+        has 8 requests in flight at most (a put of up to a quarter of ``max_batch`` pages is
+        one); a call that finds them all taken waits for the oldest answers, as does one that
+        finds no free page buffer. A ``PendingPut`` nobody waits for costs nothing: its answers
+        are taken by later calls.
+
+        Args, Raises: as ``put`` (``Timeout`` here: no request slot or page buffer freed within
+            the timeout; the timeout also bounds ``result()``, counted from this call).
+        """
+        keys, views = self._page_views(keys, pages)
+        deadline = self._deadline(timeout)
+        ids, _ = key_digests(keys)
+        with self._lock:
+            self._check_open()
+            parts = self._put_post_all(ids, self._copier(views, deadline), deadline)
+            pending = PendingPut(self, parts, deadline)
+            if parts:
+                self._pending_puts.append(pending)
+            else:
+                pending._result = PutResult(0, 0, 0, 0)
+            return pending
+
+    def _page_views(self, keys: Sequence[bytes], pages: Sequence[Any]) -> tuple[list[bytes], list[memoryview]]:
+        """The checked keys, and a flat byte view of each page (``put``'s arguments checked)."""
         keys = check_keys(keys)
         pages = list(pages)
         if len(keys) != len(pages):
@@ -960,17 +1073,14 @@ class KVCacheClient:
             if v.nbytes != self.page_size:
                 raise ValueError(f"pages[{i}] has {v.nbytes} bytes; this store's page_size is {self.page_size}")
             views.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
-        deadline = self._deadline(timeout)
-        ids, _ = key_digests(keys)
-        with self._lock:
-            self._check_open()
+        return keys, views
 
-            def fill(start: int, n: int) -> tuple[list[int], list[int]]:
-                bufs = self._alloc(n, deadline)
-                return bufs, [_copy_summed(self._arena.payload(b), views[start + j]) for j, b in enumerate(bufs)]
-
-            results = self._put_stream(ids, fill, wait, deadline)
-        return _put_result(results)
+    def _copier(self, views: list[memoryview], deadline: float) -> Callable[[int, int], tuple[list[int], list[int]]]:
+        """``fill`` for ``_put_stream``: pages ``start..start+n`` copied into leased buffers."""
+        def fill(start: int, n: int) -> tuple[list[int], list[int]]:
+            bufs = self._alloc(n, deadline)
+            return bufs, [_copy_summed(self._arena.payload(b), views[start + j]) for j, b in enumerate(bufs)]
+        return fill
 
     def reserve(self, n: int, *, timeout: float | None = None) -> PageReservation:
         """Lease ``n`` writable page buffers to fill in place and ``commit`` as a put: the
@@ -1059,6 +1169,51 @@ class KVCacheClient:
         """The per-page results of the put ``seq`` posted in ``d``."""
         _, res = self._await(d, seq, len(bufs), deadline, bufs)
         return [int(r) for r in res.tolist()]
+
+    def _put_post_all(self, ids: np.ndarray[Any, Any], fill: Callable[[int, int], tuple[list[int], list[int]]],
+                      deadline: float) -> list[_PutPart]:
+        """Post every sub-batch of a ``put_async`` (waiting) without taking their answers.
+        If posting one fails, the ones posted are waited for (as ``_put_stream`` does) before
+        the error is raised: the call then failed as a whole, as ``put``. Caller holds the lock."""
+        step = max(1, self.max_batch // 4)
+        parts: list[_PutPart] = []
+        try:
+            for start in range(0, len(ids), step):
+                n = min(step, len(ids) - start)
+                d = self._acquire(deadline)
+                self._keys(d, ids, start, n)
+                bufs, csums = fill(start, n)
+                parts.append(_PutPart(d, self._post_put(d, bufs, True, csums), bufs))
+        except BaseException:
+            for part in parts:
+                self._take_part(part, deadline)
+            raise
+        return parts
+
+    def _take_part(self, part: _PutPart, deadline: float) -> None:
+        """Take the answer of ``part`` (waiting until ``deadline``); its results, or the error,
+        are kept in it. Caller holds the lock."""
+        try:
+            part.results = self._put_answer(part.d, part.seq, part.bufs, deadline)
+        except (KVStoreError, ValueError) as e:
+            part.error = e
+
+    def _harvest(self) -> None:
+        """Take the answers already given to ``put_async`` calls (frees their descriptors for
+        other requests), without waiting. Caller holds the lock."""
+        now = time.monotonic()
+        for pending in list(self._pending_puts):
+            left = False
+            for part in pending._parts:
+                if part.results is not None or part.error is not None:
+                    continue
+                h = part.d.head
+                if part.d.state == P.D_ANSWERED and int(h["answered"][0]) == part.seq:
+                    self._take_part(part, now)
+                else:
+                    left = True
+            if not left:
+                self._pending_puts.remove(pending)
 
     def pin(self, keys: Sequence[bytes], *, timeout: float | None = None, wait: bool = True) -> int:
         """Pin pages (a shared system prompt, say) so that this server never evicts them.

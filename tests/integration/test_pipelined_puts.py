@@ -1,0 +1,124 @@
+"""Puts whose writes run while the caller prepares the next batch (``put_async``). With their
+adversaries: more calls in flight than a connection has requests (the oldest answers are taken
+by later calls, nobody waiting for them), callers that never wait, a stopped supervisor (a
+pending put times out, its buffers and requests come back), a client closed under a pending put."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore import KVCacheClient
+from kvstore.config import ServiceConfig
+from kvstore.errors import ClosedError, Timeout
+from kvstore.ipc.connection import NDESC
+from kvstore.quickstart import page_bytes
+from kvstore.testing import make_store, wait_for
+
+from .test_service import PS, check_batch, dev_size, keys_of
+
+pytestmark = pytest.mark.integration
+
+
+def pages(keys: list[bytes]) -> list[Any]:
+    return [page_bytes(k, PS) for k in keys]
+
+
+def test_put_async_stores_what_put_stores(file_devices: Any, home: Path, services: Any) -> None:
+    """Twelve calls in flight (24 requests, three times what a connection has): each result is
+    what put(wait=True) reports, every page is found and right once its result is in, and keys
+    the store holds already are skipped as by put."""
+    make_store(home, "pa", file_devices.make(2, dev_size(300)), PS, service=ServiceConfig(client_buffers=16))
+    services(home, "pa")
+    with KVCacheClient.connect("pa", home=home, timeout=30) as c:
+        batches = [keys_of(f"A{i}", 8) for i in range(12)]  # 8 pages: two requests of 4 each
+        pend = [c.put_async(ks, pages(ks)) for ks in batches]
+        assert 2 * len(batches) > NDESC
+        for ks, p in zip(batches, pend):
+            r = p.result()
+            assert (r.stored, r.queued, r.skipped, r.dropped) == (8, 0, 0, 0)
+            assert p.done() and p.result() is r  # the same result again
+            assert c.lookup(ks) == 8  # found once the result is in
+        for ks in batches:
+            with c.get(ks) as got:
+                assert check_batch(ks, got) == (8, 0, 0)
+        # half known already: skipped, as put reports them
+        mixed = batches[0][:4] + keys_of("B", 4)
+        r = c.put_async(mixed, pages(mixed)).result()
+        assert (r.stored, r.skipped, r.dropped) == (4, 4, 0)
+        assert c.put_async([], []).result().stored == 0
+        with pytest.raises(ValueError, match="page_size"):
+            c.put_async([b"x"], [b"short"])
+        with pytest.raises(ValueError, match="keys but"):
+            c.put_async([b"x", b"y"], [bytes(PS)])
+        assert wait_for(lambda: c.free_buffers() == 16)
+
+
+def test_put_async_never_waited_for(file_devices: Any, home: Path, services: Any) -> None:
+    """Calls nobody waits for: later calls take their answers (their requests are free again),
+    their pages are written, and no buffer stays behind."""
+    make_store(home, "nw", file_devices.make(1, dev_size(300)), PS, service=ServiceConfig(client_buffers=16))
+    services(home, "nw")
+    with KVCacheClient.connect("nw", home=home, timeout=30) as c:
+        batches = [keys_of(f"N{i}", 16) for i in range(10)]  # 40 requests, none waited for
+        for ks in batches:
+            c.put_async(ks, pages(ks))
+        assert c.put(keys_of("last", 4), pages(keys_of("last", 4)), wait=True).stored == 4
+        assert wait_for(lambda: all(c.lookup(ks) == 16 for ks in batches))
+        assert wait_for(lambda: c.free_buffers() == 16)
+        c.ping()  # a call that needs a request takes the answers given meanwhile
+        assert not c._pending_puts
+
+
+def test_pending_put_with_the_supervisor_stopped(file_devices: Any, home: Path, services: Any) -> None:
+    """The supervisor stopped: put_async still returns (the pages are copied and posted), its
+    result times out, and raises the same again later. Once the supervisor runs again its
+    buffers and requests come back, pages it wrote are right, and puts work as before."""
+    make_store(home, "ps", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
+    svc = services(home, "ps")
+    ks = keys_of("S", 8)
+    with KVCacheClient.connect("ps", home=home, timeout=30) as c:
+        os.kill(svc.pid, signal.SIGSTOP)
+        try:
+            p = c.put_async(ks, pages(ks), timeout=0.5)
+            assert not p.done()
+            with pytest.raises(Timeout):
+                p.result()
+            with pytest.raises(Timeout):
+                p.result()
+            assert p.done()
+            assert c.free_buffers() == 8  # the service's until it answers
+            with pytest.raises(Timeout):  # no buffers for more: the call fails as a whole
+                c.put_async(keys_of("T", 12), pages(keys_of("T", 12)), timeout=0.3)
+        finally:
+            os.kill(svc.pid, signal.SIGCONT)
+        assert wait_for(lambda: c.free_buffers() == 16)
+        with c.get(ks) as got:
+            assert check_batch(ks, got)[2] == 0  # written or not, never wrong
+        more = keys_of("U", 16)
+        assert c.put_async(more, pages(more)).result().stored == 16
+        with c.get(more) as got:
+            assert check_batch(more, got) == (16, 0, 0)
+
+
+def test_client_closed_under_a_pending_put(file_devices: Any, home: Path, services: Any) -> None:
+    make_store(home, "cc", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
+    services(home, "cc")
+    ks = keys_of("C", 16)
+    with KVCacheClient.connect("cc", home=home, timeout=30) as c:
+        p = c.put_async(ks, pages(ks))
+    with pytest.raises(ClosedError):
+        p.result()
+    assert p.done()
+    with KVCacheClient.connect("cc", home=home, timeout=30) as d:
+        # the service may have taken the writes before the connection went, or not: never wrong
+        with d.get(ks) as got:
+            assert check_batch(ks, got)[2] == 0
+        more = keys_of("D", 16)
+        assert d.put_async(more, pages(more)).result().stored == 16
+        with d.get(more) as got:
+            assert check_batch(more, got) == (16, 0, 0)
