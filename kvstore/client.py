@@ -324,6 +324,7 @@ class PendingPut:
         self._deadline = deadline
         self._result: PutResult | None = None
         self._error: BaseException | None = None
+        self._posting = False  # its parts are still being posted (``put_async`` has not returned)
 
     def done(self) -> bool:
         """Whether ``result()`` would return (or raise) without waiting."""
@@ -1048,11 +1049,21 @@ class KVCacheClient:
         ids, _ = key_digests(keys)
         with self._lock:
             self._check_open()
-            parts = self._put_post_all(ids, self._copier(views, deadline), deadline)
-            pending = PendingPut(self, parts, deadline)
-            if parts:
-                self._pending_puts.append(pending)
-            else:
+            pending = PendingPut(self, [], deadline)
+            pending._posting = True
+            # listed while its parts are posted: a call of more parts than the connection has
+            # requests takes its own first answers (``_acquire``)
+            self._pending_puts.append(pending)
+            try:
+                self._put_post_all(ids, self._copier(views, deadline), deadline, pending._parts)
+            except BaseException:
+                self._pending_puts.remove(pending)
+                raise
+            finally:
+                pending._posting = False
+            if all(p.results is not None or p.error is not None for p in pending._parts):
+                self._pending_puts.remove(pending)  # answered already (or had no pages)
+            if not pending._parts:
                 pending._result = PutResult(0, 0, 0, 0)
             return pending
 
@@ -1171,12 +1182,12 @@ class KVCacheClient:
         return [int(r) for r in res.tolist()]
 
     def _put_post_all(self, ids: np.ndarray[Any, Any], fill: Callable[[int, int], tuple[list[int], list[int]]],
-                      deadline: float) -> list[_PutPart]:
-        """Post every sub-batch of a ``put_async`` (waiting) without taking their answers.
-        If posting one fails, the ones posted are waited for (as ``_put_stream`` does) before
-        the error is raised: the call then failed as a whole, as ``put``. Caller holds the lock."""
+                      deadline: float, parts: list[_PutPart]) -> None:
+        """Post every sub-batch of a ``put_async`` (waiting) into ``parts`` without taking their
+        answers. If posting one fails, the ones posted are waited for (as ``_put_stream`` does)
+        before the error is raised: the call then failed as a whole, as ``put``. Caller holds
+        the lock."""
         step = max(1, self.max_batch // 4)
-        parts: list[_PutPart] = []
         try:
             for start in range(0, len(ids), step):
                 n = min(step, len(ids) - start)
@@ -1186,9 +1197,9 @@ class KVCacheClient:
                 parts.append(_PutPart(d, self._post_put(d, bufs, True, csums), bufs))
         except BaseException:
             for part in parts:
-                self._take_part(part, deadline)
+                if part.results is None and part.error is None:
+                    self._take_part(part, deadline)
             raise
-        return parts
 
     def _take_part(self, part: _PutPart, deadline: float) -> None:
         """Take the answer of ``part`` (waiting until ``deadline``); its results, or the error,
@@ -1212,7 +1223,7 @@ class KVCacheClient:
                     self._take_part(part, now)
                 else:
                     left = True
-            if not left:
+            if not left and not pending._posting:
                 self._pending_puts.remove(pending)
 
     def pin(self, keys: Sequence[bytes], *, timeout: float | None = None, wait: bool = True) -> int:

@@ -51,6 +51,12 @@ def test_put_async_stores_what_put_stores(file_devices: Any, home: Path, service
         r = c.put_async(mixed, pages(mixed)).result()
         assert (r.stored, r.skipped, r.dropped) == (4, 4, 0)
         assert c.put_async([], []).result().stored == 0
+        # one call of 12 requests (more than the connection has): it takes its own first answers
+        many = keys_of("M", 48)
+        r = c.put_async(many, pages(many)).result()
+        assert (r.stored, r.dropped) == (48, 0)
+        with c.get(many[-16:]) as got:
+            assert check_batch(many[-16:], got) == (16, 0, 0)
         with pytest.raises(ValueError, match="page_size"):
             c.put_async([b"x"], [b"short"])
         with pytest.raises(ValueError, match="keys but"):
