@@ -57,13 +57,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from ..client import KVCacheClient, PendingPut
+from ..client import KVCacheClient
 from ..errors import KVStoreError, Timeout
 from .pagefit import advice
 
@@ -166,18 +165,6 @@ class _Lane(threading.Thread):
             except KVStoreError:
                 pass
             self._client = None
-
-
-@dataclass
-class _PostedStore:
-    """A group of store tasks whose pages are posted and being written (``_store_post``)."""
-
-    pending: PendingPut | None  # None: no task had pages
-    pages: int
-    spans: list[tuple[int, int] | None]  # each task's pages in the put (None: failed before it)
-    tasks_keys: Sequence[Sequence[Any]]
-    tasks_objects: Sequence[Sequence[Any]]
-    t0: float
 
 
 class KVStoreL2Adapter(L2AdapterInterface):
@@ -303,46 +290,26 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._done("store", self._stores, task_id, L2StoreResult(False, 0))
 
     def _store_queued(self, client: Callable[[], KVCacheClient]) -> None:
-        """(On the store lane.) The store tasks queued by now, in groups of up to
-        ``STORE_GROUP_PAGES`` pages, one put each (their pages stream to the devices with no
-        pause between tasks, where a put per task drained the device queue at each task's
-        end); each task completes with its own pages' outcome. While tasks keep coming, a
-        group's writes run while the next group is copied and posted (``put_async``): the
-        group before completes only then. The lane's later tokens find nothing left and return."""
-        posted: tuple[list[tuple[int, list[Any], list[Any]]], _PostedStore] | None = None
+        """(On the store lane.) The store tasks queued by now, as one put (their pages stream to
+        the devices with no pause between tasks, where a put per task drained the device queue
+        at each task's end), up to ``STORE_GROUP_PAGES`` pages; each task completes with its
+        own pages' outcome. The lane's later tokens find nothing left and return."""
+        group: list[tuple[int, list[Any], list[Any]]] = []
+        pages = 0
+        with self._lock:
+            while self._queued_stores and (not group or pages < STORE_GROUP_PAGES):
+                t = self._queued_stores.popleft()
+                group.append(t)
+                pages += sum(max(1, -(-int(o.get_size()) // self.page_size)) for o in t[2])
+        if not group:
+            return
         try:
-            while True:
-                group: list[tuple[int, list[Any], list[Any]]] = []
-                pages = 0
-                with self._lock:
-                    while self._queued_stores and (not group or pages < STORE_GROUP_PAGES):
-                        t = self._queued_stores.popleft()
-                        group.append(t)
-                        pages += sum(max(1, -(-int(o.get_size()) // self.page_size)) for o in t[2])
-                if not group:
-                    return
-                try:
-                    nxt = (group, self._store_post(client(), [t[1] for t in group], [t[2] for t in group]))
-                except Exception:
-                    for task_id, keys, _objects in group:
-                        self._fail_store(task_id, len(keys))
-                    raise
-                prev, posted = posted, nxt
-                if prev is not None:
-                    self._store_complete(*prev)
-        finally:
-            if posted is not None:
-                self._store_complete(*posted)
-
-    def _store_complete(self, group: list[tuple[int, list[Any], list[Any]]], st: _PostedStore) -> None:
-        """Wait for a posted group's writes and complete its tasks (failed, if waiting fails)."""
-        try:
-            results = self._store_finish(st)
+            c = client()
+            results = self._store(c, [t[1] for t in group], [t[2] for t in group])
         except Exception:
-            log.exception("kvstore L2 adapter: a store's writes failed")
             for task_id, keys, _objects in group:
                 self._fail_store(task_id, len(keys))
-            return
+            raise
         for (task_id, _keys, _objects), r in zip(group, results):
             self._done("store", self._stores, task_id, r)
 
@@ -351,11 +318,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             for k, v in counts.items():
                 self._stats[k] += v
 
-    def _store_post(self, c: KVCacheClient, tasks_keys: Sequence[Sequence[Any]],
-                    tasks_objects: Sequence[Sequence[Any]]) -> _PostedStore:
-        """Copy the objects of several tasks out and post them as one put (``put_async``);
-        ``_store_finish`` gives each task's ``L2StoreResult`` (a task whose objects cannot be
-        read fails alone)."""
+    def _store(self, c: KVCacheClient, tasks_keys: Sequence[Sequence[Any]],
+               tasks_objects: Sequence[Sequence[Any]]) -> list[Any]:
+        """Store the objects of several tasks in one put; each task's ``L2StoreResult`` (a task
+        whose objects cannot be read fails alone)."""
         t0 = time.perf_counter()
         pkeys: list[bytes] = []
         pages: list[Any] = []
@@ -371,15 +337,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             pkeys += tk
             pages += tp
             spans.append((first, len(pkeys)))
-        pending = c.put_async(pkeys, pages) if pkeys else None
-        return _PostedStore(pending, len(pkeys), spans, tasks_keys, tasks_objects, t0)
-
-    def _store_finish(self, st: _PostedStore) -> list[Any]:
-        """Wait for a posted store's writes; each task's ``L2StoreResult``."""
-        r = st.pending.result() if st.pending is not None else None  # stored, skipped (already there) or dropped
-        spans, tasks_keys, tasks_objects, t0 = st.spans, st.tasks_keys, st.tasks_objects, st.t0
-        # waited for, a page is stored, skipped or dropped; anything else fails the whole put
-        whole = r is not None and r.stored + r.skipped + r.dropped == st.pages
+        r = c.put(pkeys, pages, wait=True) if pkeys else None  # stored or skipped (already there), or dropped
+        # with wait=True a page is stored, skipped or dropped; anything else fails the whole put
+        whole = r is not None and r.stored + r.skipped + r.dropped == len(pkeys)
         out = []
         for span, keys, objects in zip(spans, tasks_keys, tasks_objects):
             ok = span is not None and whole and r is not None and not any(span[0] <= i < span[1] for i in r.dropped_at)
