@@ -203,6 +203,24 @@ class PageReservation(Sequence[memoryview]):
             TypeError: a key is not ``bytes``.
             Timeout, ServiceLost: as ``put``.
         """
+        r = self._commit(keys, wait, timeout, False)
+        assert isinstance(r, PutResult)
+        return r
+
+    def commit_async(self, keys: Sequence[bytes], *, timeout: float | None = None) -> PendingPut:
+        """``commit`` as ``put_async``: returns once the pages are posted; ``result()`` waits for
+        them as ``commit(wait=True)`` does. An engine that fills a reservation while the one
+        before is written keeps the device busy between them (reserve at most half the lease
+        at a time, or the next ``reserve`` waits for the last one's writes).
+
+        Raises: as ``commit``.
+        """
+        r = self._commit(keys, True, timeout, True)
+        assert isinstance(r, PendingPut)
+        return r
+
+    def _commit(self, keys: Sequence[bytes], wait: bool, timeout: float | None, detach: bool) -> PutResult | PendingPut:
+        """``commit`` and ``commit_async`` (``detach``)."""
         if self._done:
             raise ClosedError("reservation was already committed or released")
         keys = check_keys(keys)  # a bad key is refused before anything happens to the reservation
@@ -218,7 +236,7 @@ class PageReservation(Sequence[memoryview]):
         n = len(keys)
         used, rest = self._bufs[:n], self._bufs[n:]
         self._client._give_back(rest)
-        return self._client._put_buffers(keys, used, wait, timeout)
+        return self._client._put_buffers(keys, used, wait, timeout, detach)
 
     def release(self) -> None:
         """Give back the pages not committed (idempotent). A page with arrays still made from
@@ -353,6 +371,9 @@ class PendingPut:
                 return self._result
             if self._error is not None:
                 raise self._error
+            if not self._parts:
+                self._result = PutResult(0, 0, 0, 0)
+                return self._result
             if c._closed:
                 raise ClosedError("client is closed; this put's outcome is unknown")
             try:
@@ -1049,23 +1070,29 @@ class KVCacheClient:
         ids, _ = key_digests(keys)
         with self._lock:
             self._check_open()
-            pending = PendingPut(self, [], deadline)
-            pending._posting = True
-            # listed while its parts are posted: a call of more parts than the connection has
-            # requests takes its own first answers (``_acquire``)
-            self._pending_puts.append(pending)
-            try:
-                self._put_post_all(ids, self._copier(views, deadline), deadline, pending._parts)
-            except BaseException:
-                self._pending_puts.remove(pending)
-                raise
-            finally:
-                pending._posting = False
-            if all(p.results is not None or p.error is not None for p in pending._parts):
-                self._pending_puts.remove(pending)  # answered already (or had no pages)
-            if not pending._parts:
-                pending._result = PutResult(0, 0, 0, 0)
-            return pending
+            return self._start_put_async(ids, self._copier(views, deadline), deadline)
+
+    def _start_put_async(self, ids: np.ndarray[Any, Any], fill: Callable[[int, int], tuple[list[int], list[int]]],
+                         deadline: float) -> PendingPut:
+        """Post a waiting put's sub-batches (``_put_post_all``) as a ``PendingPut``. Caller holds
+        the lock."""
+        pending = PendingPut(self, [], deadline)
+        pending._posting = True
+        # listed while its parts are posted: a call of more parts than the connection has
+        # requests takes its own first answers (``_acquire``)
+        self._pending_puts.append(pending)
+        try:
+            self._put_post_all(ids, fill, deadline, pending._parts)
+        except BaseException:
+            self._pending_puts.remove(pending)
+            raise
+        finally:
+            pending._posting = False
+        if all(p.results is not None or p.error is not None for p in pending._parts):
+            self._pending_puts.remove(pending)  # answered already (or had no pages)
+        if not pending._parts:
+            pending._result = PutResult(0, 0, 0, 0)
+        return pending
 
     def _page_views(self, keys: Sequence[bytes], pages: Sequence[Any]) -> tuple[list[bytes], list[memoryview]]:
         """The checked keys, and a flat byte view of each page (``put``'s arguments checked)."""
@@ -1110,12 +1137,14 @@ class KVCacheClient:
             self._check_open()
             return PageReservation(self, self._alloc(n, deadline))
 
-    def _put_buffers(self, keys: list[bytes], bufs: list[int], wait: bool, timeout: float | None) -> PutResult:
-        """Post filled client buffers as a put (``PageReservation.commit``)."""
-        if not keys:
-            return PutResult(0, 0, 0, 0)
+    def _put_buffers(self, keys: list[bytes], bufs: list[int], wait: bool, timeout: float | None,
+                     detach: bool = False) -> PutResult | PendingPut:
+        """Post filled client buffers as a put (``PageReservation.commit``; with ``detach``, as a
+        ``put_async``: ``commit_async``)."""
         deadline = self._deadline(timeout)
-        taken = 0  # buffers handed to ``_put_stream``: the rest are still ours to give back
+        if not keys:
+            return PendingPut(self, [], deadline) if detach else PutResult(0, 0, 0, 0)
+        taken = 0  # buffers handed to the service: the rest are still ours to give back
         with self._lock:
             try:
                 self._check_open()
@@ -1129,6 +1158,8 @@ class KVCacheClient:
                     taken = start + n
                     return part, [_checksum(self._arena.payload(b)) for b in part]
 
+                if detach:
+                    return self._start_put_async(ids, fill, deadline)
                 return _put_result(self._put_stream(ids, fill, wait, deadline))
             finally:
                 self._give_back(bufs[taken:])

@@ -128,3 +128,45 @@ def test_client_closed_under_a_pending_put(file_devices: Any, home: Path, servic
         assert d.put_async(more, pages(more)).result().stored == 16
         with d.get(more) as got:
             assert check_batch(more, got) == (16, 0, 0)
+
+
+def test_reservations_committed_without_waiting(file_devices: Any, home: Path, services: Any) -> None:
+    """commit_async: half a lease filled while the other half is written, round after round;
+    every page right; a commit refused while a view's array lives sends nothing and can be
+    made again."""
+    import numpy as np
+
+    from kvstore.errors import ViewsInUse
+
+    make_store(home, "ra", file_devices.make(2, dev_size(300)), PS, service=ServiceConfig(client_buffers=16))
+    services(home, "ra")
+    with KVCacheClient.connect("ra", home=home, timeout=30) as c:
+        keys = keys_of("R", 96)
+        pend = []
+        for s in range(0, len(keys), 8):  # a third reserve waits for the writes of the first
+            with c.reserve(8) as r:
+                for j in range(8):
+                    np.frombuffer(r[j], np.uint8)[:] = page_bytes(keys[s + j], PS)
+                pend.append(r.commit_async(keys[s:s + 8]))
+            if len(pend) == 2:
+                assert pend.pop(0).result().stored == 8
+        assert pend.pop(0).result().stored == 8
+        for s in range(0, len(keys), 16):
+            with c.get(keys[s:s + 16]) as got:
+                assert check_batch(keys[s:s + 16], got) == (16, 0, 0)
+        r = c.reserve(2)
+        held = np.frombuffer(r[0], np.uint8)
+        held[:] = 7
+        with pytest.raises(ViewsInUse):
+            r.commit_async([b"v0", b"v1"])
+        del held
+        np.frombuffer(r[1], np.uint8)[:] = 9
+        p = r.commit_async([b"v0", b"v1"])
+        assert p.result().stored == 2
+        with c.get([b"v0", b"v1"]) as got:
+            assert bytes(got[0]) == bytes([7]) * PS and bytes(got[1]) == bytes([9]) * PS
+        with pytest.raises(ClosedError):
+            r.commit_async([b"again"])
+        with c.reserve(3) as r:  # nothing to save: the buffers go back
+            assert r.commit_async([]).result().stored == 0
+        assert wait_for(lambda: c.free_buffers() == 16)
