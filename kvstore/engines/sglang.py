@@ -197,9 +197,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             c = self._client()
             t0 = time.perf_counter()
             stored = skipped = dropped = 0
-            for s in range(0, len(keys), c.max_batch):
+            # half a lease at a time, two in flight: the next half is filled while the last is
+            # written (a whole lease filled, then waited for, left the device idle during each fill)
+            step = max(1, c.max_batch // 2)
+            pending: list[Any] = []
+            for s in range(0, len(keys), step):
                 # one copy: from SGLang's host pool straight into the buffers the device is written from
-                with c.reserve(min(c.max_batch, len(keys) - s)) as res:
+                with c.reserve(min(step, len(keys) - s)) as res:
                     for j in range(len(res)):
                         base = np.frombuffer(res[j], np.uint8).ctypes.data
                         off = 0
@@ -207,8 +211,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                             ctypes.memmove(base + off, addr, size)
                             off += size
                         ctypes.memset(base + off, 0, self.page_bytes - off)  # nothing of an earlier page
-                    r = res.commit(pkeys[s:s + len(res)], wait=True)
-                stored, skipped, dropped = stored + r.stored, skipped + r.skipped, dropped + r.dropped
+                    pending.append(res.commit_async(pkeys[s:s + len(res)]))
+                while len(pending) >= 2 or (pending and s + step >= len(keys)):
+                    r = pending.pop(0).result()
+                    stored, skipped, dropped = stored + r.stored, skipped + r.skipped, dropped + r.dropped
             self._record("backup", stored, t0)  # pages written (a page already stored moves nothing)
             if dropped == 0 and stored + skipped == len(keys):
                 return [True] * len(keys)
