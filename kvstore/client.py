@@ -1172,16 +1172,10 @@ class KVCacheClient:
         write of the previous one), and one is posted ahead of its answer (waiting for each
         answer before filling the next left the client idle that long). Per-page results in
         order. Caller holds the lock."""
-        step = max(1, self.max_batch // 4)
         results: list[int] = []
         posted: tuple[P.Descriptor, int, list[int]] | None = None
         try:
-            for start in range(0, len(ids), step):
-                n = min(step, len(ids) - start)
-                d = self._acquire(deadline)
-                self._keys(d, ids, start, n)
-                bufs, csums = fill(start, n)
-                seq = self._post_put(d, bufs, wait, csums)
+            for d, seq, bufs in self._post_parts(ids, fill, wait, deadline):
                 prev, posted = posted, (d, seq, bufs)
                 if prev is not None:
                     results += self._put_answer(*prev, deadline)
@@ -1195,6 +1189,18 @@ class KVCacheClient:
                 except Exception:
                     pass  # timed out too: its descriptor and buffers come back when answered
         return results
+
+    def _post_parts(self, ids: np.ndarray[Any, Any], fill: Callable[[int, int], tuple[list[int], list[int]]],
+                    wait: bool, deadline: float) -> Generator[tuple[P.Descriptor, int, list[int]], None, None]:
+        """Post the put of key ids ``ids`` in sub-batches of a quarter lease (``fill`` as in
+        ``_put_stream``), yielding each one's ``(descriptor, seq, buffers)`` once posted."""
+        step = max(1, self.max_batch // 4)
+        for start in range(0, len(ids), step):
+            n = min(step, len(ids) - start)
+            d = self._acquire(deadline)
+            self._keys(d, ids, start, n)
+            bufs, csums = fill(start, n)
+            yield d, self._post_put(d, bufs, wait, csums), bufs
 
     def _post_put(self, d: P.Descriptor, bufs: list[int], wait: bool, csums: list[int]) -> int:
         """Hand the filled ``bufs`` (payload checksums ``csums``) to the service as the put in
@@ -1218,14 +1224,9 @@ class KVCacheClient:
         answers. If posting one fails, the ones posted are waited for (as ``_put_stream`` does)
         before the error is raised: the call then failed as a whole, as ``put``. Caller holds
         the lock."""
-        step = max(1, self.max_batch // 4)
         try:
-            for start in range(0, len(ids), step):
-                n = min(step, len(ids) - start)
-                d = self._acquire(deadline)
-                self._keys(d, ids, start, n)
-                bufs, csums = fill(start, n)
-                parts.append(_PutPart(d, self._post_put(d, bufs, True, csums), bufs))
+            for d, seq, bufs in self._post_parts(ids, fill, True, deadline):
+                parts.append(_PutPart(d, seq, bufs))
         except BaseException:
             for part in parts:
                 if part.results is None and part.error is None:
