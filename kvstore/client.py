@@ -61,7 +61,8 @@ class PutResult:
     queued: int
     """Pages accepted and still being written (``wait=False``)."""
     skipped: int
-    """Pages not written because the store already holds the key."""
+    """Pages not written because the store already holds the key, or another write of it is in
+    flight (that write may still fail: ``lookup`` finds the page once it is done)."""
     dropped: int
     """Pages not written: no slot could be freed (all pinned or being written) or the write failed."""
     dropped_at: tuple[int, ...] = ()
@@ -331,10 +332,15 @@ class _PutPart:
     results: list[int] | None = None  # its per-page results, once its answer was taken
     error: BaseException | None = None  # or why there are none
 
+    @property
+    def taken(self) -> bool:
+        return self.results is not None or self.error is not None
+
 
 class PendingPut:
-    """A ``put`` whose pages are being written (``KVCacheClient.put_async``): ``result()``
-    returns once they are on the device and indexed, as ``put(wait=True)`` does."""
+    """A ``put`` whose pages are being written (``KVCacheClient.put_async``, or
+    ``PageReservation.commit_async``): ``result()`` returns once they are on the device and
+    indexed, counted as ``put(wait=True)`` counts them."""
 
     def __init__(self, client: KVCacheClient, parts: list[_PutPart], deadline: float) -> None:
         self._client = client
@@ -342,22 +348,27 @@ class PendingPut:
         self._deadline = deadline
         self._result: PutResult | None = None
         self._error: BaseException | None = None
-        self._posting = False  # its parts are still being posted (``put_async`` has not returned)
 
     def done(self) -> bool:
-        """Whether ``result()`` would return (or raise) without waiting."""
+        """Whether ``result()`` would return or raise without waiting: every answer is in, or
+        the timeout has passed, or the client closed, or the service is gone."""
         c = self._client
         with c._lock:
-            if self._result is not None or self._error is not None:
-                return True
-            if c._closed:
+            if self._result is not None or self._error is not None or c._closed:
                 return True
             c._harvest()
-            return all(p.results is not None or p.error is not None for p in self._parts)
+            if all(p.taken for p in self._parts) or time.monotonic() >= self._deadline:
+                return True
+            try:
+                c._check_service()
+            except KVStoreError:
+                return True
+            return False
 
     def result(self) -> PutResult:
         """Wait for the writes (until the timeout given to ``put_async``, counted from then)
-        and return what ``put(wait=True)`` would have; the same again on later calls.
+        and return their ``PutResult`` (no page ``queued``: each is stored, skipped or
+        dropped); the same again on later calls.
 
         Raises:
             Timeout, ServiceLost: as ``put`` (a sub-batch the service had not started is not
@@ -371,27 +382,28 @@ class PendingPut:
                 return self._result
             if self._error is not None:
                 raise self._error
-            if not self._parts:
-                self._result = PutResult(0, 0, 0, 0)
-                return self._result
-            if c._closed:
-                raise ClosedError("client is closed; this put's outcome is unknown")
-            try:
-                for part in self._parts:
-                    if part.results is None and part.error is None:
-                        c._take_part(part, self._deadline)
-                    if part.error is not None:
-                        raise part.error
-            except BaseException as e:
-                self._error = e
-                for part in self._parts:  # the rest: the service's until answered (``_await`` on timeout)
-                    if part.results is None and part.error is None:
-                        c._take_part(part, time.monotonic())
-                raise
-            finally:
-                if self in c._pending_puts and (self._error is not None or all(
-                        p.results is not None or p.error is not None for p in self._parts)):
-                    c._pending_puts.remove(self)
+            if not all(p.taken for p in self._parts):
+                if c._closed:
+                    raise ClosedError("client is closed; this put's outcome is unknown")
+                try:
+                    for part in self._parts:
+                        if not part.taken:
+                            c._take_part(part, self._deadline)
+                        if part.error is not None:
+                            raise part.error
+                except (KVStoreError, ValueError) as e:
+                    # as put: the rest is given up (the service's until answered, ``_await``)
+                    self._error = e
+                    for part in self._parts:
+                        if not part.taken:
+                            c._take_part(part, time.monotonic())
+                    raise
+                # (anything else, an interrupt while waiting: nothing is given up, and a later
+                # result() waits on)
+            for part in self._parts:
+                if part.error is not None:
+                    self._error = part.error
+                    raise part.error
             self._result = _put_result([r for part in self._parts for r in (part.results or [])])
             return self._result
 
@@ -447,8 +459,9 @@ class KVCacheClient:
         self._orphans: set[int] = set()  # buffers of timed-out requests, still the service's
         self._abandoned: set[int] = set()  # descriptors of timed-out requests, still the service's
         self._lingering: list[tuple[int, Any]] = []  # released buffers whose views are still alive
+        self._released: deque[list[tuple[int, Any]]] = deque()  # released, not looked at yet (``_linger``)
         self._dropped: list[_Reads] = []  # gets posted and never waited for (``PendingGet.__del__``)
-        self._pending_puts: list[PendingPut] = []  # ``put_async`` calls with answers not taken yet
+        self._put_parts: dict[int, _PutPart] = {}  # descriptor -> the ``put_async`` part it holds, unanswered
         self._salt: bytes = hello["salt"]
         self._salt_seq = 0  # the channel's keyspace word when ``_salt`` was taken (see ``_tenant_salt``)
         lay = ControlLayout.of(hello["slots"])
@@ -549,28 +562,31 @@ class KVCacheClient:
             raise ServiceLost(f"the service of {store!r} went away during the handshake: {e}") from None
 
     def close(self) -> None:
-        """Disconnect (idempotent).
+        """Disconnect (idempotent). A call running in another thread ends first (it waits for
+        the service at most its timeout); answers of ``put_async`` calls not taken yet are
+        given up (the writes the service had taken still complete).
 
         Raises:
             ViewsInUse: views of pages (or arrays made from them) are still alive; the
                 client stays open, since closing would let other clients reuse their
                 buffers under them. Drop them (or copy what you need) and close again.
         """
-        if self._closed:
-            return
-        self._collect_lingering()
-        if self._lingering:
-            raise ViewsInUse(f"{len(self._lingering)} page view(s) from released batches are still in use "
-                             "(slices or numpy arrays made from them): drop or copy them, then close again")
-        self._closed = True
-        self._sock.close()
-        self._wake.close()
-        self._doorbell.close()
-        for w in self._wakes:
-            w.close()
-        self._arena.release()
-        for seg in (self._seg, self._control_seg):
-            seg.close()
+        with self._lock:  # a call running in another thread finishes first (within its timeout)
+            if self._closed:
+                return
+            self._collect_lingering()
+            if self._lingering:
+                raise ViewsInUse(f"{len(self._lingering)} page view(s) from released batches are still in use "
+                                 "(slices or numpy arrays made from them): drop or copy them, then close again")
+            self._closed = True
+            self._sock.close()
+            self._wake.close()
+            self._doorbell.close()
+            for w in self._wakes:
+                w.close()
+            self._arena.release()
+            for seg in (self._seg, self._control_seg):
+                seg.close()
 
     def __enter__(self) -> KVCacheClient:
         return self
@@ -590,10 +606,20 @@ class KVCacheClient:
                 self._orphans.discard(b)
 
     def _linger(self, held: list[tuple[int, Any]]) -> None:
-        self._lingering += held
-        self._collect_lingering()
+        """Buffers of a released batch or reservation: free once their views are gone. Called
+        without the client's lock (``release`` may run in any thread, or as a finalizer while
+        this thread holds the lock): queued, and looked at now only if the lock is free."""
+        self._released.append(held)  # (atomic)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._collect_lingering()
+            finally:
+                self._lock.release()
 
     def _collect_lingering(self) -> None:
+        """Free the lingering buffers whose views are gone. Caller holds the lock."""
+        while self._released:
+            self._lingering += self._released.popleft()
         alive = []
         for b, ref in self._lingering:
             if ref() is None:
@@ -612,6 +638,10 @@ class KVCacheClient:
             if len(free) >= n:
                 self._arena.set_states(free[:n] - self._lease.start, A.CLIENT)
                 got: list[int] = free[:n].tolist()
+                # an orphan the service freed since ``_reclaim_orphans`` looked is ours now, and
+                # no orphan any more: left listed, the next reclaim would take it for an answer
+                # nobody holds and free it under this call's views
+                self._orphans.difference_update(got)
                 return got
             self._check_service()
             if time.monotonic() >= deadline:
@@ -645,7 +675,7 @@ class KVCacheClient:
         """A request descriptor this client owns: a free one, or one the service gave back
         after answering a timed-out call."""
         while True:
-            if self._pending_puts:  # answers of ``put_async`` calls nobody waited for yet
+            if self._put_parts:  # answers of ``put_async`` calls nobody waited for yet
                 self._harvest()
             for i, d in enumerate(self._chan.desc):
                 st = d.state
@@ -1077,19 +1107,7 @@ class KVCacheClient:
         """Post a waiting put's sub-batches (``_put_post_all``) as a ``PendingPut``. Caller holds
         the lock."""
         pending = PendingPut(self, [], deadline)
-        pending._posting = True
-        # listed while its parts are posted: a call of more parts than the connection has
-        # requests takes its own first answers (``_acquire``)
-        self._pending_puts.append(pending)
-        try:
-            self._put_post_all(ids, fill, deadline, pending._parts)
-        except BaseException:
-            self._pending_puts.remove(pending)
-            raise
-        finally:
-            pending._posting = False
-        if all(p.results is not None or p.error is not None for p in pending._parts):
-            self._pending_puts.remove(pending)  # answered already (or had no pages)
+        self._put_post_all(ids, fill, deadline, pending._parts)
         if not pending._parts:
             pending._result = PutResult(0, 0, 0, 0)
         return pending
@@ -1226,10 +1244,14 @@ class KVCacheClient:
         the lock."""
         try:
             for d, seq, bufs in self._post_parts(ids, fill, True, deadline):
-                parts.append(_PutPart(d, seq, bufs))
+                part = _PutPart(d, seq, bufs)
+                parts.append(part)
+                # its answer is taken by whichever call needs the descriptor first (``_acquire``):
+                # a call of more parts than the connection has requests takes its own first ones
+                self._put_parts[d.index] = part
         except BaseException:
             for part in parts:
-                if part.results is None and part.error is None:
+                if not part.taken:
                     self._take_part(part, deadline)
             raise
 
@@ -1240,23 +1262,17 @@ class KVCacheClient:
             part.results = self._put_answer(part.d, part.seq, part.bufs, deadline)
         except (KVStoreError, ValueError) as e:
             part.error = e
+        finally:
+            if part.taken and self._put_parts.get(part.d.index) is part:
+                del self._put_parts[part.d.index]
 
     def _harvest(self) -> None:
         """Take the answers already given to ``put_async`` calls (frees their descriptors for
-        other requests), without waiting. Caller holds the lock."""
+        other requests), without waiting: at most one part per descriptor. Caller holds the lock."""
         now = time.monotonic()
-        for pending in list(self._pending_puts):
-            left = False
-            for part in pending._parts:
-                if part.results is not None or part.error is not None:
-                    continue
-                h = part.d.head
-                if part.d.state == P.D_ANSWERED and int(h["answered"][0]) == part.seq:
-                    self._take_part(part, now)
-                else:
-                    left = True
-            if not left and not pending._posting:
-                self._pending_puts.remove(pending)
+        for part in list(self._put_parts.values()):
+            if part.d.state == P.D_ANSWERED and int(part.d.head["answered"][0]) == part.seq:
+                self._take_part(part, now)
 
     def pin(self, keys: Sequence[bytes], *, timeout: float | None = None, wait: bool = True) -> int:
         """Pin pages (a shared system prompt, say) so that this server never evicts them.
