@@ -131,18 +131,19 @@ class PageBatch(Sequence["memoryview | None"]):
     def release(self) -> None:
         """Give the buffers back (idempotent). The batch's views are released; a buffer
         with arrays or slices still derived from its view returns once they are gone."""
-        if self._released:
-            return
-        self._released = True
-        for v in self._views:
+        with self._client._release_lock:  # one release, whichever threads call it
+            if self._released:
+                return
+            self._released = True
+            views, self._views = self._views, []
+            held, self._held = self._held, []
+        for v in views:
             if v is not None:
                 try:
                     v.release()
                 except BufferError:
                     pass  # something still exports it: its buffer lingers until that is gone
-        self._views = []
-        self._client._linger(self._held)
-        self._held = []
+        self._client._linger(held)
 
     def __enter__(self) -> PageBatch:
         return self
@@ -222,18 +223,19 @@ class PageReservation(Sequence[memoryview]):
 
     def _commit(self, keys: Sequence[bytes], wait: bool, timeout: float | None, detach: bool) -> PutResult | PendingPut:
         """``commit`` and ``commit_async`` (``detach``)."""
-        if self._done:
-            raise ClosedError("reservation was already committed or released")
-        keys = check_keys(keys)  # a bad key is refused before anything happens to the reservation
-        if len(keys) > len(self._bufs):
-            raise ValueError(f"{len(keys)} keys for {len(self._bufs)} reserved pages")
-        self._revoke()
-        alive = sum(r() is not None for r in self._refs)
-        if alive:  # nothing was sent: hand out views again, over the same exporters
-            self._views = [self._view(i) for i in range(len(self._bufs))]
-            raise ViewsInUse(f"{alive} reserved page(s) still have arrays, slices or tensors made from them: "
-                             "drop them, then commit (the pages must not change once they are sent)")
-        self._done = True
+        with self._client._release_lock:  # one commit or release, whichever threads call them
+            if self._done:
+                raise ClosedError("reservation was already committed or released")
+            keys = check_keys(keys)  # a bad key is refused before anything happens to the reservation
+            if len(keys) > len(self._bufs):
+                raise ValueError(f"{len(keys)} keys for {len(self._bufs)} reserved pages")
+            self._revoke()
+            alive = sum(r() is not None for r in self._refs)
+            if alive:  # nothing was sent: hand out views again, over the same exporters
+                self._views = [self._view(i) for i in range(len(self._bufs))]
+                raise ViewsInUse(f"{alive} reserved page(s) still have arrays, slices or tensors made from "
+                                 "them: drop them, then commit (the pages must not change once they are sent)")
+            self._done = True
         n = len(keys)
         used, rest = self._bufs[:n], self._bufs[n:]
         self._client._give_back(rest)
@@ -242,10 +244,11 @@ class PageReservation(Sequence[memoryview]):
     def release(self) -> None:
         """Give back the pages not committed (idempotent). A page with arrays still made from
         its view returns once they are gone."""
-        if self._done:
-            return
-        self._done = True
-        self._revoke()
+        with self._client._release_lock:
+            if self._done:
+                return
+            self._done = True
+            self._revoke()
         self._client._linger(list(zip(self._bufs, self._refs)))
 
     def __enter__(self) -> PageReservation:
@@ -350,8 +353,9 @@ class PendingPut:
         self._error: BaseException | None = None
 
     def done(self) -> bool:
-        """Whether ``result()`` would return or raise without waiting: every answer is in, or
-        the timeout has passed, or the client closed, or the service is gone."""
+        """Whether ``result()`` would return or raise without waiting for the service: every
+        answer is in, or the timeout has passed, or the client closed, or the service is gone.
+        (Like every call, it waits for a call running in another thread to end.)"""
         c = self._client
         with c._lock:
             if self._result is not None or self._error is not None or c._closed:
@@ -485,6 +489,9 @@ class KVCacheClient:
             ring.point(self._rings_c[i])
         self._seqbox = FFI.new("uint64_t *")
         self._lock = threading.Lock()
+        # a batch's or reservation's own release or commit, test-and-set (reentrant: a finalizer
+        # releasing another batch may run inside it, in this thread)
+        self._release_lock = threading.RLock()
         self._seq = 1
         self._closed = False
 
@@ -722,8 +729,11 @@ class KVCacheClient:
         return seq
 
     def _await(self, d: P.Descriptor, seq: int, count: int, deadline: float,
-               bufs: Sequence[int] = ()) -> tuple[int, np.ndarray[Any, Any]]:
-        """Wait for the answer to the request ``seq`` posted in ``d`` (see ``_call``)."""
+               bufs: Sequence[int] = (), freed_early: bool = False) -> tuple[int, np.ndarray[Any, Any]]:
+        """Wait for the answer to the request ``seq`` posted in ``d`` (see ``_call``).
+        ``freed_early``: the service may give ``bufs`` back before it answers (a put's: a page
+        skipped at intake, a write done), so on a timeout only those it still holds become
+        orphans; one it gave back may be another call's already."""
         h = d.head
         while True:
             if d.state == P.D_ANSWERED and int(h["answered"][0]) == seq:
@@ -743,7 +753,8 @@ class KVCacheClient:
             if left <= 0:
                 d.set_cancel(1)
                 self._abandoned.add(d.index)
-                self._orphans.update(bufs)
+                self._orphans.update(b for b in bufs if not freed_early
+                                     or self._arena.state(b) in (A.SERVICE, A.QUARANTINE))
                 raise Timeout(f"no answer from the cache service within the timeout ({self.timeout} s "
                               "default); treat these pages as misses")
             self._wake.wait(min(left, 0.05))
@@ -1233,7 +1244,7 @@ class KVCacheClient:
 
     def _put_answer(self, d: P.Descriptor, seq: int, bufs: list[int], deadline: float) -> list[int]:
         """The per-page results of the put ``seq`` posted in ``d``."""
-        _, res = self._await(d, seq, len(bufs), deadline, bufs)
+        _, res = self._await(d, seq, len(bufs), deadline, bufs, freed_early=True)
         return [int(r) for r in res.tolist()]
 
     def _put_post_all(self, ids: np.ndarray[Any, Any], fill: Callable[[int, int], tuple[list[int], list[int]]],
@@ -1249,15 +1260,25 @@ class KVCacheClient:
                 # its answer is taken by whichever call needs the descriptor first (``_acquire``):
                 # a call of more parts than the connection has requests takes its own first ones
                 self._put_parts[d.index] = part
-        except BaseException:
+        except (KVStoreError, ValueError):
             for part in parts:
                 if not part.taken:
                     self._take_part(part, deadline)
             raise
+        # (an interrupt: nothing waited for; the parts posted are taken by later calls)
 
     def _take_part(self, part: _PutPart, deadline: float) -> None:
         """Take the answer of ``part`` (waiting until ``deadline``); its results, or the error,
         are kept in it. Caller holds the lock."""
+        d = part.d
+        if d.state == P.D_FREE or int(d.head["seq"][0]) != part.seq:
+            # its answer was taken, and lost to an exception (an interrupt) before it was
+            # recorded; the descriptor may hold another request now: touch nothing of it
+            part.error = KVStoreError("this put's answer was lost (an exception interrupted the call "
+                                      "taking it); its pages may or may not be stored")
+            if self._put_parts.get(d.index) is part:
+                del self._put_parts[d.index]
+            return
         try:
             part.results = self._put_answer(part.d, part.seq, part.bufs, deadline)
         except (KVStoreError, ValueError) as e:

@@ -334,3 +334,69 @@ def test_a_pending_put_that_cannot_wait_is_done(file_devices: Any, home: Path, s
     assert j.done()
     with pytest.raises(ClosedError):
         j.result()
+
+
+def test_a_timed_out_put_orphans_only_buffers_the_service_still_holds(file_devices: Any, home: Path,
+                                                                      services: Any) -> None:
+    """Found by the second outside review: the service gives a put's buffer back before it
+    answers (a page skipped at intake, a write done). Another call could take that buffer; the
+    put's timeout then listed it as an orphan, and the next allocation freed it under that
+    call's live view (the next put copied its page into it)."""
+    import numpy as np
+
+    make_store(home, "ob", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
+    svc = services(home, "ob")
+    stored = keys_of("S", 1)
+    with KVCacheClient.connect("ob", home=home, timeout=30) as c:
+        assert c.put(stored, pages(stored), wait=True).stored == 1
+        worker = svc.worker_pids()[0]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            mixed = stored + keys_of("N", 3)  # one request: the known key's buffer comes back at intake
+            p = c.put_async(mixed, pages(mixed), timeout=1.0)
+            first = min(c._put_parts.values(), key=lambda part: part.seq).bufs[0]
+            from kvstore.ipc import lease as A
+            assert wait_for(lambda: c._arena.state(first) == A.FREE)
+            r = c.reserve(1)  # the lowest free buffer: that one
+            assert r._bufs == [first]
+            np.frombuffer(r[0], np.uint8)[:] = 0x5A
+            with pytest.raises(Timeout):
+                p.result()
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        other = keys_of("X", 4)
+        assert c.put(other, pages(other), wait=True).stored == 4  # reclaims orphans, allocates
+        assert bytes(r[0]) == bytes([0x5A]) * PS  # the reservation's page did not change
+        r.commit([b"kept"], wait=True)
+        with c.get([b"kept"]) as got:
+            assert bytes(got[0]) == bytes([0x5A]) * PS
+        assert wait_for(lambda: c.free_buffers() == 16)
+
+
+def test_a_put_answer_lost_to_an_interrupt(file_devices: Any, home: Path, services: Any) -> None:
+    """Found by the second outside review: an exception between taking a part's answer and
+    recording it left the part waiting on a descriptor that another call reuses; a later
+    result() waited for an answer that never comes, cancelled the other call's request and
+    lost the descriptor for good. It now says the answer was lost, at once, touching nothing."""
+    import time
+
+    from kvstore.errors import KVStoreError
+
+    make_store(home, "lost", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
+    services(home, "lost")
+    ks = keys_of("L", 4)
+    with KVCacheClient.connect("lost", home=home, timeout=30) as c:
+        p = c.put_async(ks, pages(ks))
+        (part,) = p._parts
+        with c._lock:  # what an interrupted take leaves: the answer consumed, nothing recorded
+            c._await(part.d, part.seq, len(part.bufs), time.monotonic() + 30, part.bufs)
+        for _ in range(2 * 8):  # the descriptor is reused meanwhile
+            c.ping()
+        t0 = time.monotonic()
+        with pytest.raises(KVStoreError, match="lost"):
+            p.result()
+        assert time.monotonic() - t0 < 5
+        assert not c._abandoned and not c._put_parts
+        for _ in range(2 * 8):  # every descriptor still usable
+            c.ping()
+        assert c.lookup(ks) == 4  # (the pages were stored)
