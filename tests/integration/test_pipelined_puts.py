@@ -5,10 +5,11 @@ pending put times out, its buffers and requests come back), a client closed unde
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -28,12 +29,27 @@ def pages(keys: list[bytes]) -> list[Any]:
     return [page_bytes(k, PS) for k in keys]
 
 
+def start(file_devices: Any, home: Path, services: Any, name: str, devices: int, slots: int) -> Any:
+    """A store of ``devices`` file devices of ``slots`` slots each, a lease of 16, and its service."""
+    make_store(home, name, file_devices.make(devices, dev_size(slots)), PS, service=ServiceConfig(client_buffers=16))
+    return services(home, name)
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """``pid`` stopped (SIGSTOP) for the block, running again after it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_put_async_stores_what_put_stores(file_devices: Any, home: Path, services: Any) -> None:
     """Twelve calls in flight (24 requests, three times what a connection has): each result is
     what put(wait=True) reports, every page is found and right once its result is in, and keys
     the store holds already are skipped as by put."""
-    make_store(home, "pa", file_devices.make(2, dev_size(300)), PS, service=ServiceConfig(client_buffers=16))
-    services(home, "pa")
+    start(file_devices, home, services, "pa", 2, 300)
     with KVCacheClient.connect("pa", home=home, timeout=30) as c:
         batches = [keys_of(f"A{i}", 8) for i in range(12)]  # 8 pages: two requests of 4 each
         pend = [c.put_async(ks, pages(ks)) for ks in batches]
@@ -67,8 +83,7 @@ def test_put_async_stores_what_put_stores(file_devices: Any, home: Path, service
 def test_put_async_never_waited_for(file_devices: Any, home: Path, services: Any) -> None:
     """Calls nobody waits for: later calls take their answers (their requests are free again),
     their pages are written, and no buffer stays behind."""
-    make_store(home, "nw", file_devices.make(1, dev_size(300)), PS, service=ServiceConfig(client_buffers=16))
-    services(home, "nw")
+    start(file_devices, home, services, "nw", 1, 300)
     with KVCacheClient.connect("nw", home=home, timeout=30) as c:
         batches = [keys_of(f"N{i}", 16) for i in range(10)]  # 40 requests, none waited for
         for ks in batches:
@@ -84,12 +99,10 @@ def test_pending_put_with_the_supervisor_stopped(file_devices: Any, home: Path, 
     """The supervisor stopped: put_async still returns (the pages are copied and posted), its
     result times out, and raises the same again later. Once the supervisor runs again its
     buffers and requests come back, pages it wrote are right, and puts work as before."""
-    make_store(home, "ps", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
-    svc = services(home, "ps")
+    svc = start(file_devices, home, services, "ps", 1, 200)
     ks = keys_of("S", 8)
     with KVCacheClient.connect("ps", home=home, timeout=30) as c:
-        os.kill(svc.pid, signal.SIGSTOP)
-        try:
+        with stopped(svc.pid):
             p = c.put_async(ks, pages(ks), timeout=0.5)
             assert not p.done()
             with pytest.raises(Timeout):
@@ -100,8 +113,6 @@ def test_pending_put_with_the_supervisor_stopped(file_devices: Any, home: Path, 
             assert c.free_buffers() == 8  # the service's until it answers
             with pytest.raises(Timeout):  # no buffers for more: the call fails as a whole
                 c.put_async(keys_of("T", 12), pages(keys_of("T", 12)), timeout=0.3)
-        finally:
-            os.kill(svc.pid, signal.SIGCONT)
         assert wait_for(lambda: c.free_buffers() == 16)
         with c.get(ks) as got:
             assert check_batch(ks, got)[2] == 0  # written or not, never wrong
@@ -112,8 +123,7 @@ def test_pending_put_with_the_supervisor_stopped(file_devices: Any, home: Path, 
 
 
 def test_client_closed_under_a_pending_put(file_devices: Any, home: Path, services: Any) -> None:
-    make_store(home, "cc", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
-    services(home, "cc")
+    start(file_devices, home, services, "cc", 1, 200)
     ks = keys_of("C", 16)
     with KVCacheClient.connect("cc", home=home, timeout=30) as c:
         p = c.put_async(ks, pages(ks))
@@ -138,8 +148,7 @@ def test_reservations_committed_without_waiting(file_devices: Any, home: Path, s
 
     from kvstore.errors import ViewsInUse
 
-    make_store(home, "ra", file_devices.make(2, dev_size(300)), PS, service=ServiceConfig(client_buffers=16))
-    services(home, "ra")
+    start(file_devices, home, services, "ra", 2, 300)
     with KVCacheClient.connect("ra", home=home, timeout=30) as c:
         keys = keys_of("R", 96)
         pend = []
@@ -181,19 +190,14 @@ def test_an_orphan_freed_while_a_call_allocates_stays_with_that_call(file_device
     put copied its page into them. The window is made here by skipping one reclaim."""
     from kvstore.ipc import lease as A
 
-    make_store(home, "or", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
-    svc = services(home, "or")
+    svc = start(file_devices, home, services, "or", 1, 200)
     stored = keys_of("O", 8)
     with KVCacheClient.connect("or", home=home, timeout=30) as c:
         assert c.put(stored, pages(stored), wait=True).stored == 8
-        worker = svc.worker_pids()[0]
-        os.kill(worker, signal.SIGSTOP)
-        try:
+        with stopped(svc.worker_pids()[0]):
             late = keys_of("L", 4)
             with pytest.raises(Timeout):
                 c.put_async(late, pages(late), timeout=0.3).result()
-        finally:
-            os.kill(worker, signal.SIGCONT)
         orphans = set(c._orphans)
         assert len(orphans) == 4
         assert wait_for(lambda: all(c._arena.state(b) == A.FREE for b in orphans))  # given back, not reclaimed
@@ -219,8 +223,7 @@ def test_threads_sharing_a_client(file_devices: Any, home: Path, services: Any) 
     import threading
     import time
 
-    make_store(home, "th", file_devices.make(2, dev_size(1500)), PS, service=ServiceConfig(client_buffers=16))
-    services(home, "th")
+    start(file_devices, home, services, "th", 2, 1500)
     problems: list[str] = []
     with KVCacheClient.connect("th", home=home, timeout=60) as c:
         handed: queue.Queue[Any] = queue.Queue()
@@ -290,12 +293,10 @@ def test_a_pending_put_that_cannot_wait_is_done(file_devices: Any, home: Path, s
     while result() waits (an interrupt) gives nothing up: a later result() waits on."""
     import time
 
-    make_store(home, "dn", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
-    svc = services(home, "dn")
+    svc = start(file_devices, home, services, "dn", 1, 200)
     ks = keys_of("D", 8)
     with KVCacheClient.connect("dn", home=home, timeout=30) as c:
-        os.kill(svc.pid, signal.SIGSTOP)
-        try:
+        with stopped(svc.pid):
             p = c.put_async(ks, pages(ks), timeout=0.3)
             assert wait_for(p.done, timeout=10)  # past its timeout
             t0 = time.monotonic()
@@ -320,8 +321,6 @@ def test_a_pending_put_that_cannot_wait_is_done(file_devices: Any, home: Path, s
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, old)
             assert not q.done()
-        finally:
-            os.kill(svc.pid, signal.SIGCONT)
         r = q.result()  # waited on after the interrupt
         assert (r.stored, r.dropped) == (8, 0)
         last = keys_of("K", 4)
@@ -344,14 +343,11 @@ def test_a_timed_out_put_orphans_only_buffers_the_service_still_holds(file_devic
     call's live view (the next put copied its page into it)."""
     import numpy as np
 
-    make_store(home, "ob", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
-    svc = services(home, "ob")
+    svc = start(file_devices, home, services, "ob", 1, 200)
     stored = keys_of("S", 1)
     with KVCacheClient.connect("ob", home=home, timeout=30) as c:
         assert c.put(stored, pages(stored), wait=True).stored == 1
-        worker = svc.worker_pids()[0]
-        os.kill(worker, signal.SIGSTOP)
-        try:
+        with stopped(svc.worker_pids()[0]):
             mixed = stored + keys_of("N", 3)  # one request: the known key's buffer comes back at intake
             p = c.put_async(mixed, pages(mixed), timeout=1.0)
             first = min(c._put_parts.values(), key=lambda part: part.seq).bufs[0]
@@ -362,8 +358,6 @@ def test_a_timed_out_put_orphans_only_buffers_the_service_still_holds(file_devic
             np.frombuffer(r[0], np.uint8)[:] = 0x5A
             with pytest.raises(Timeout):
                 p.result()
-        finally:
-            os.kill(worker, signal.SIGCONT)
         other = keys_of("X", 4)
         assert c.put(other, pages(other), wait=True).stored == 4  # reclaims orphans, allocates
         assert bytes(r[0]) == bytes([0x5A]) * PS  # the reservation's page did not change
@@ -382,8 +376,7 @@ def test_a_put_answer_lost_to_an_interrupt(file_devices: Any, home: Path, servic
 
     from kvstore.errors import KVStoreError
 
-    make_store(home, "lost", file_devices.make(1, dev_size(200)), PS, service=ServiceConfig(client_buffers=16))
-    services(home, "lost")
+    start(file_devices, home, services, "lost", 1, 200)
     ks = keys_of("L", 4)
     with KVCacheClient.connect("lost", home=home, timeout=30) as c:
         p = c.put_async(ks, pages(ks))
