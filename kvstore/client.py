@@ -80,6 +80,11 @@ def _checksum(page: memoryview) -> int:
     return int(LIB.kv_xxh3(FFI.from_buffer("uint8_t[]", page), len(page)))
 
 
+def _answered(d: P.Descriptor, seq: int) -> bool:
+    """Whether the service has answered request ``seq`` in descriptor ``d``."""
+    return d.state == P.D_ANSWERED and int(d.head["answered"][0]) == seq
+
+
 def _put_result(results: list[int]) -> PutResult:
     """Count a put's per-page results."""
     return PutResult(results.count(P.R_STORED), results.count(P.R_QUEUED), results.count(P.R_SKIPPED),
@@ -386,28 +391,23 @@ class PendingPut:
                 return self._result
             if self._error is not None:
                 raise self._error
-            if not all(p.taken for p in self._parts):
-                if c._closed:
-                    raise ClosedError("client is closed; this put's outcome is unknown")
-                try:
-                    for part in self._parts:
-                        if not part.taken:
-                            c._take_part(part, self._deadline)
-                        if part.error is not None:
-                            raise part.error
-                except (KVStoreError, ValueError) as e:
-                    # as put: the rest is given up (the service's until answered, ``_await``)
-                    self._error = e
-                    for part in self._parts:
-                        if not part.taken:
-                            c._take_part(part, time.monotonic())
-                    raise
-                # (anything else, an interrupt while waiting: nothing is given up, and a later
-                # result() waits on)
-            for part in self._parts:
-                if part.error is not None:
-                    self._error = part.error
-                    raise part.error
+            if c._closed and not all(p.taken for p in self._parts):
+                raise ClosedError("client is closed; this put's outcome is unknown")
+            try:
+                for part in self._parts:
+                    if not part.taken:
+                        c._take_part(part, self._deadline)
+                    if part.error is not None:
+                        raise part.error
+            except (KVStoreError, ValueError) as e:
+                # as put: the rest is given up (the service's until answered, ``_await``)
+                self._error = e
+                for part in self._parts:
+                    if not part.taken:
+                        c._take_part(part, time.monotonic())
+                raise
+            # (anything else, an interrupt while waiting: nothing is given up, and a later
+            # result() waits on)
             self._result = _put_result([r for part in self._parts for r in (part.results or [])])
             return self._result
 
@@ -736,7 +736,7 @@ class KVCacheClient:
         orphans; one it gave back may be another call's already."""
         h = d.head
         while True:
-            if d.state == P.D_ANSWERED and int(h["answered"][0]) == seq:
+            if _answered(d, seq):
                 st = int(h["status"][0])
                 value = int(h["value"][0])
                 res = d.results[:count].copy()
@@ -1119,8 +1119,6 @@ class KVCacheClient:
         the lock."""
         pending = PendingPut(self, [], deadline)
         self._put_post_all(ids, fill, deadline, pending._parts)
-        if not pending._parts:
-            pending._result = PutResult(0, 0, 0, 0)
         return pending
 
     def _page_views(self, keys: Sequence[bytes], pages: Sequence[Any]) -> tuple[list[bytes], list[memoryview]]:
@@ -1276,23 +1274,20 @@ class KVCacheClient:
             # recorded; the descriptor may hold another request now: touch nothing of it
             part.error = KVStoreError("this put's answer was lost (an exception interrupted the call "
                                       "taking it); its pages may or may not be stored")
-            if self._put_parts.get(d.index) is part:
-                del self._put_parts[d.index]
-            return
-        try:
-            part.results = self._put_answer(part.d, part.seq, part.bufs, deadline)
-        except (KVStoreError, ValueError) as e:
-            part.error = e
-        finally:
-            if part.taken and self._put_parts.get(part.d.index) is part:
-                del self._put_parts[part.d.index]
+        else:
+            try:
+                part.results = self._put_answer(d, part.seq, part.bufs, deadline)
+            except (KVStoreError, ValueError) as e:
+                part.error = e
+        if self._put_parts.get(d.index) is part:  # (an interrupt above leaves it listed)
+            del self._put_parts[d.index]
 
     def _harvest(self) -> None:
         """Take the answers already given to ``put_async`` calls (frees their descriptors for
         other requests), without waiting: at most one part per descriptor. Caller holds the lock."""
         now = time.monotonic()
         for part in list(self._put_parts.values()):
-            if part.d.state == P.D_ANSWERED and int(part.d.head["answered"][0]) == part.seq:
+            if _answered(part.d, part.seq):
                 self._take_part(part, now)
 
     def pin(self, keys: Sequence[bytes], *, timeout: float | None = None, wait: bool = True) -> int:

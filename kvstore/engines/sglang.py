@@ -196,11 +196,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         try:
             c = self._client()
             t0 = time.perf_counter()
-            stored = skipped = dropped = 0
             # half a lease at a time, two in flight: the next half is filled while the last is
             # written (a whole lease filled, then waited for, left the device idle during each fill)
             step = max(1, c.max_batch // 2)
             pending: list[Any] = []
+            done: list[Any] = []
             for s in range(0, len(keys), step):
                 # one copy: from SGLang's host pool straight into the buffers the device is written from
                 with c.reserve(min(step, len(keys) - s)) as res:
@@ -212,9 +212,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                             off += size
                         ctypes.memset(base + off, 0, self.page_bytes - off)  # nothing of an earlier page
                     pending.append(res.commit_async(pkeys[s:s + len(res)]))
-                while len(pending) >= 2 or (pending and s + step >= len(keys)):
-                    r = pending.pop(0).result()
-                    stored, skipped, dropped = stored + r.stored, skipped + r.skipped, dropped + r.dropped
+                if len(pending) == 2:
+                    done.append(pending.pop(0).result())
+            done += [p.result() for p in pending]
+            stored = sum(r.stored for r in done)
+            skipped = sum(r.skipped for r in done)
+            dropped = sum(r.dropped for r in done)
             self._record("backup", stored, t0)  # pages written (a page already stored moves nothing)
             if dropped == 0 and stored + skipped == len(keys):
                 return [True] * len(keys)

@@ -24,7 +24,6 @@ design that takes the supervisor out of the write path could reach at best, here
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
@@ -39,7 +38,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import make_target  # noqa: E402
+from throughput import fio, make_target  # noqa: E402
 
 from kvstore import KVCacheClient  # noqa: E402
 from kvstore._units import parse_size  # noqa: E402
@@ -135,7 +134,7 @@ def run(target: str, page_size: int, seconds: float, batch: int, fill_pages: int
         mine = sum(v["user_us"] + v["sys_us"] for v in per.values())
         machine = (m1 - m0) / n * 1e6
         per["rest of the machine"] = {"user_us": 0.0, "sys_us": machine - mine, "vol_ctx": 0.0, "invol_ctx": 0.0}
-        ref = fio_reference(dev, slot, seconds)
+        ref = fio_reference(dev, slot, nbytes - (1 << 20), seconds)
         sup = per["supervisor"]["user_us"] + per["supervisor"]["sys_us"]
         cpus = os.cpu_count() or 1
         bound = cpus / ((machine - sup) * 1e-6) if machine > sup else float("inf")
@@ -151,17 +150,14 @@ def run(target: str, page_size: int, seconds: float, batch: int, fill_pages: int
         shutil.rmtree(work, ignore_errors=True)
 
 
-def fio_reference(dev: str, slot: int, seconds: float) -> dict:
-    """fio writing ``dev`` for ``seconds`` (throughput.py's write reference), with the
-    machine's busy CPU per block around it."""
+def fio_reference(dev: str, slot: int, span: int, seconds: float) -> dict:
+    """throughput.py's write reference (fio, queue depth 4, one slot per block) on the ``span``
+    bytes of ``dev`` after its first MiB, for ``seconds``, with the machine's busy CPU per
+    block around it."""
     m0 = machine_busy()
-    out = subprocess.run(["fio", "--name=w", f"--filename={dev}", "--ioengine=libaio", "--direct=1", "--rw=write",
-                          f"--bs={slot}", "--iodepth=4", "--numjobs=1", f"--runtime={seconds}", "--time_based",
-                          "--output-format=json"], check=True, capture_output=True, text=True).stdout
+    f = fio(dev, "write", slot, 4, span, 1 << 20, runtime=seconds)
     m1 = machine_busy()
-    job = json.loads(out)["jobs"][0]["write"]
-    blocks = job["total_ios"]
-    return {"pages_per_s": job["iops"], "machine_us_per_page": (m1 - m0) / max(1, blocks) * 1e6}
+    return {"pages_per_s": f["iops"], "machine_us_per_page": (m1 - m0) / max(1.0, f["iops"] * seconds) * 1e6}
 
 
 def main() -> int:
