@@ -228,6 +228,7 @@ def test_threads_sharing_a_client(file_devices: Any, home: Path, services: Any) 
     with KVCacheClient.connect("th", home=home, timeout=60) as c:
         handed: queue.Queue[Any] = queue.Queue()
         stop = threading.Event()
+        produced = threading.Event()  # every producer has handed its last put over
 
         def guarded(body: Any) -> Any:
             def run(tid: int) -> None:
@@ -249,7 +250,7 @@ def test_threads_sharing_a_client(file_devices: Any, home: Path, services: Any) 
         @guarded
         def waiter(tid: int) -> None:
             rng = random.Random(100 + tid)
-            while not (stop.is_set() and handed.empty()):
+            while not (produced.is_set() and handed.empty()):
                 try:
                     ks, p = handed.get(timeout=0.1)
                 except queue.Empty:
@@ -271,13 +272,18 @@ def test_threads_sharing_a_client(file_devices: Any, home: Path, services: Any) 
                     if check_batch(ks, b)[2]:
                         problems.append("a wrong page")
 
-        ts = ([threading.Thread(target=producer, args=(i,)) for i in range(3)]
-              + [threading.Thread(target=waiter, args=(i,)) for i in range(2)]
+        producers = [threading.Thread(target=producer, args=(i,)) for i in range(3)]
+        ts = (producers + [threading.Thread(target=waiter, args=(i,)) for i in range(2)]
               + [threading.Thread(target=reader, args=(i,)) for i in range(2)])
         for t in ts:
             t.start()
         time.sleep(5)
         stop.set()
+        # waiters stop only once the queue holds every put: a producer still inside put_async
+        # when stop is set hands one more over, and a put nobody waits on stays listed
+        for t in producers:
+            t.join(120)
+        produced.set()
         for t in ts:
             t.join(120)
         assert not [t.name for t in ts if t.is_alive()]
