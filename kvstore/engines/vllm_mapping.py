@@ -771,6 +771,18 @@ class SchedulerSide:
         return plan
 
 
+def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``ids`` as runs of consecutive values: (first value, its position in ``ids``, length)."""
+    out: list[tuple[int, int, int]] = []
+    for j, v in enumerate(ids):
+        if out and v == out[-1][0] + out[-1][2]:
+            at, pos, k = out[-1]
+            out[-1] = (at, pos, k + 1)
+        else:
+            out.append((v, j, 1))
+    return out
+
+
 class WorkerSide:
     """Moves pages between a client and vLLM's per-layer ``[B, H, N, C]`` cache views.
 
@@ -843,10 +855,13 @@ class WorkerSide:
         """This rank's keys for the scheduler's (rank 0's) page keys."""
         return [rank_key(k, self.tp_rank) for k in keys] if self.tp_rank else list(keys)
 
-    def _kernel(self, blocks: Sequence[int], group: int) -> torch.Tensor:
+    def _kernel_ids(self, blocks: Sequence[int], group: int) -> list[int]:
+        """The cache rows (kernel blocks) of vLLM ``blocks``, in order."""
         r = 1 if self.state[group] else self.r  # vLLM splits attention blocks only
-        ids = [b * r + k for b in blocks for k in range(r)]
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+        return [b * r + k for b in blocks for k in range(r)]
+
+    def _kernel(self, blocks: Sequence[int], group: int) -> torch.Tensor:
+        return torch.tensor(self._kernel_ids(blocks, group), dtype=torch.long, device=self.device)
 
     def load(self, t: PageTransfer) -> set[int]:
         """Fill the blocks of ``t`` from the store; returns the block ids that could not be filled."""
@@ -862,13 +877,22 @@ class WorkerSide:
                             return t.all_blocks(done)
                         raw = torch.frombuffer(view, dtype=torch.uint8, count=self.group_bytes[t.group])
                         blocks, first = t.block_ids[done], t.first[done]
-                        idx = self._kernel(blocks, t.group)
                         r = 1 if self.state[t.group] else self.r
                         lo, hi = first * r, (first + len(blocks)) * r
+                        if self.device.type == "cpu":
+                            # a copy per run of consecutive blocks: ``index_copy_`` cost 2-7x more
+                            # (5-10x beside vLLM's busy threads; docs/BENCHMARKS.md)
+                            runs = _runs(self._kernel_ids(blocks, t.group))
+                        else:
+                            idx = self._kernel(blocks, t.group)
                         for cache, (off, shape) in zip(self.caches[t.group], self.parts[t.group]):
                             n = int(np.prod(shape)) * cache.element_size()
                             page = raw[off:off + n].view(cache.dtype).view(shape)
-                            cache.index_copy_(0, idx, page[lo:hi].to(self.device))
+                            if self.device.type == "cpu":
+                                for at, j, k in runs:
+                                    cache.narrow(0, at, k).copy_(page.narrow(0, lo + j, k))
+                            else:
+                                cache.index_copy_(0, idx, page[lo:hi].to(self.device))
                         del raw
                         done += 1
             return set()
@@ -895,7 +919,12 @@ class WorkerSide:
         for cache, (off, shape) in zip(self.caches[group], self.parts[group]):
             n = int(np.prod(shape)) * cache.element_size()
             region = out[off:off + n].view(cache.dtype).view(shape)
-            region[:k].copy_(cache[idx])
+            if cache.device.type == "cpu":
+                # one copy, straight into the page buffer; ``cache[idx]`` gathers into a temporary
+                # first (two copies) on a path that cost 10-100x more beside vLLM's busy threads
+                torch.index_select(cache, 0, idx, out=region[:k])
+            else:
+                region[:k].copy_(cache[idx])  # gathered on the accelerator, then one copy to the host
             if k < shape[0]:
                 region[k:].zero_()
         out[self.group_bytes[group]:].zero_()
@@ -903,12 +932,18 @@ class WorkerSide:
     def save(self, t: PageTransfer) -> int:
         """Copy the pages of ``t`` out of the paged cache into leased page buffers (``reserve``: one
         copy, from the cache straight into the memory the device is written from) and commit
-        them; returns pages accepted (0 on error)."""
+        them; returns pages accepted (0 on error).
+
+        Half a lease at a time: a commit answers once the writes are queued, and the buffers
+        come back as they are written, so the next half is filled while the last is written
+        (a whole lease at a time, the next ``reserve`` waited for every write of the last one,
+        and the device sat idle while each was filled)."""
         t0 = time.perf_counter()
         n = 0
+        step = max(1, self.client.max_batch // 2)
         try:
-            for s in range(0, len(t.keys), self.client.max_batch):
-                keys = self._rank_keys(t.keys[s:s + self.client.max_batch])
+            for s in range(0, len(t.keys), step):
+                keys = self._rank_keys(t.keys[s:s + step])
                 with self.client.reserve(len(keys)) as pages:
                     for j in range(len(keys)):
                         self._fill(torch.frombuffer(pages[j], dtype=torch.uint8), t.block_ids[s + j], t.group)

@@ -246,6 +246,39 @@ def test_a_saved_page_carries_nothing_of_the_buffer_it_was_filled_in(home: Path,
         assert any(page[:PAGE_BYTES])  # the blocks were random: a page of zeros would prove nothing
 
 
+def test_a_save_longer_than_the_lease_lands_whole_in_half_lease_chunks(home: Path, file_devices: Any,
+                                                                        services: Any) -> None:
+    """A save is filled half a lease at a time while the half before is written: a prompt of 11
+    pages through a lease of 8 buffers (chunks of 4, 4 and 3, the last ones reserved while
+    writes of the ones before are still queued) lands whole, each page where another instance
+    loads it from. Both instances' blocks are scattered, as vLLM's free list hands them out
+    after a while: each page's blocks are not consecutive rows of the cache, on either side."""
+    from kvstore.config import ServiceConfig
+
+    devs = file_devices.make(1, (1 << 20) + 64 * (4096 + PAGE_BYTES))
+    make_store(home, "lease", devs, PAGE_BYTES, service=ServiceConfig(client_buffers=8))
+    services(home, "lease")
+    prompt = list(range(500, 500 + 11 * PAGE_TOKENS + 1))
+    with KVCacheClient.connect("lease", home=home) as c:
+        assert c.max_batch == 8
+        a_kv = caches(seed=11)
+        blocks = [int(b) for b in torch.randperm(63, generator=torch.Generator().manual_seed(1))[:11 * BPP + 1] + 1]
+        sa = SchedulerSide(NS, BS, c.lookup)
+        sa.schedule("r", prompt, blocks, True, 0, len(prompt))
+        (t,) = sa.build_plan().saves
+        wa = worker(c, a_kv)
+        assert wa.save(t) == 11
+        sb = SchedulerSide(NS, BS, c.lookup)
+        assert wait_for(lambda: sb.num_new_matched_tokens("q", prompt, 0) == 11 * PAGE_TOKENS)
+        scattered = [int(b) + 1 for b in torch.randperm(63, generator=torch.Generator().manual_seed(2))]
+        b_blocks = [40, 41] + [b for b in scattered if b not in (40, 41)][:11 * BPP - 1]  # page 0: one run
+        sb.update_state_after_alloc("q", b_blocks, 11 * PAGE_TOKENS)
+        b_kv = caches()
+        assert worker(c, b_kv).load(sb.build_plan().loads[0]) == set()
+        for name in a_kv:
+            assert torch.equal(b_kv[name][b_blocks[:22]], a_kv[name][blocks[:22]])
+
+
 def test_no_page_with_a_null_block_or_a_freed_window_block_is_saved(store: Path) -> None:
     """An all-sliding-window model (window of 2 pages): vLLM's prefix cache hands a request its
     out-of-window blocks as the null block (0), and frees blocks as the window moves on. Neither
