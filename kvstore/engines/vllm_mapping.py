@@ -806,11 +806,11 @@ class WorkerSide:
         attn = [n for n in kv_caches if n not in state_bytes]
         first = kv_caches[attn[0]] if attn else next(iter(kv_caches.values()))
         shapes = dict(zip(attn, layout.block_shapes))
-        # per group: its layers' caches and, per layer, (byte offset in the page, the page's part of
-        # that layer: kernel blocks x (H, N, C) of the cache's dtype, or a state group's one block of
-        # bytes, from a [blocks, bytes] view of its cache)
+        # per group: its layers' caches and, per layer, (byte offset in the page, its end, the page's
+        # part of that layer: kernel blocks x (H, N, C) of the cache's dtype, or a state group's one
+        # block of bytes, from a [blocks, bytes] view of its cache)
         self.caches: list[list[torch.Tensor]] = []
-        self.parts: list[list[tuple[int, tuple[int, ...]]]] = []
+        self.parts: list[list[tuple[int, int, tuple[int, ...]]]] = []
         self.group_bytes: list[int] = []
         self.state: list[bool] = []  # per group: recurrent state (a page is one block of it)
         for names in ([list(kv_caches)] if groups is None else groups):
@@ -821,7 +821,7 @@ class WorkerSide:
             if len(kinds) != 1:
                 raise ValueError(f"a KV cache group mixes attention and state layers: {list(names)}")
             is_state = kinds.pop()
-            parts: list[tuple[int, tuple[int, ...]]] = []
+            parts: list[tuple[int, int, tuple[int, ...]]] = []
             caches: list[torch.Tensor] = []
             off = 0
             for name in names:
@@ -829,14 +829,15 @@ class WorkerSide:
                 if is_state:
                     nbytes = state_bytes[name]
                     caches.append(cache.view(torch.uint8).view(cache.shape[0], nbytes))
-                    parts.append((off, (1, nbytes)))
+                    parts.append((off, off + nbytes, (1, nbytes)))
                     off += nbytes
                     continue
                 h, n, c = shapes[name]
                 shape = (self.bpp * self.r, h, n, c)
                 caches.append(cache)
-                parts.append((off, shape))
-                off += int(np.prod(shape)) * cache.element_size()
+                end = off + int(np.prod(shape)) * cache.element_size()
+                parts.append((off, end, shape))
+                off = end
             self.caches.append(caches)
             self.parts.append(parts)
             self.group_bytes.append(off)
@@ -885,9 +886,8 @@ class WorkerSide:
                             runs = _runs(self._kernel_ids(blocks, t.group))
                         else:
                             idx = self._kernel(blocks, t.group)
-                        for cache, (off, shape) in zip(self.caches[t.group], self.parts[t.group]):
-                            n = int(np.prod(shape)) * cache.element_size()
-                            page = raw[off:off + n].view(cache.dtype).view(shape)
+                        for cache, (off, end, shape) in zip(self.caches[t.group], self.parts[t.group]):
+                            page = raw[off:end].view(cache.dtype).view(shape)
                             if self.device.type == "cpu":
                                 for at, j, k in runs:
                                     cache.narrow(0, at, k).copy_(page.narrow(0, lo + j, k))
@@ -916,9 +916,8 @@ class WorkerSide:
         reused buffer: nothing of an earlier page may be saved with this one)."""
         idx = self._kernel(blocks, group)
         k = len(idx)  # fewer than a page's blocks for a prompt's partial last page
-        for cache, (off, shape) in zip(self.caches[group], self.parts[group]):
-            n = int(np.prod(shape)) * cache.element_size()
-            region = out[off:off + n].view(cache.dtype).view(shape)
+        for cache, (off, end, shape) in zip(self.caches[group], self.parts[group]):
+            region = out[off:end].view(cache.dtype).view(shape)
             if cache.device.type == "cpu":
                 # one copy, straight into the page buffer; ``cache[idx]`` gathers into a temporary
                 # first (two copies) on a path that cost 10-100x more beside vLLM's busy threads

