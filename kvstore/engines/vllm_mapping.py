@@ -861,8 +861,16 @@ class WorkerSide:
         r = 1 if self.state[group] else self.r  # vLLM splits attention blocks only
         return [b * r + k for b in blocks for k in range(r)]
 
-    def _kernel(self, blocks: Sequence[int], group: int) -> torch.Tensor:
-        return torch.tensor(self._kernel_ids(blocks, group), dtype=torch.long, device=self.device)
+    def _check_rows(self, rows: Sequence[int], group: int) -> None:
+        """Refuse cache rows a page cannot hold or the cache does not have: ``index_select`` into a
+        part would spill into the next one, and ``narrow`` takes a negative row from the end."""
+        cap = self.parts[group][0][2][0] if self.parts[group] else 0
+        rows_in_cache = int(self.caches[group][0].shape[0]) if self.caches[group] else 0
+        if len(rows) > cap:
+            raise ValueError(f"{len(rows)} cache blocks for a page of {cap}")
+        bad = [b for b in rows if not 0 <= b < rows_in_cache]
+        if bad:
+            raise ValueError(f"cache blocks {bad[:4]} out of range 0..{rows_in_cache - 1}")
 
     def load(self, t: PageTransfer) -> set[int]:
         """Fill the blocks of ``t`` from the store; returns the block ids that could not be filled."""
@@ -878,14 +886,18 @@ class WorkerSide:
                             return t.all_blocks(done)
                         raw = torch.frombuffer(view, dtype=torch.uint8, count=self.group_bytes[t.group])
                         blocks, first = t.block_ids[done], t.first[done]
+                        if first < 0:
+                            raise ValueError(f"a page's first block {first} is negative")
                         r = 1 if self.state[t.group] else self.r
                         lo, hi = first * r, (first + len(blocks)) * r
+                        ids = self._kernel_ids(blocks, t.group)
+                        self._check_rows(ids, t.group)
                         if self.device.type == "cpu":
                             # a copy per run of consecutive blocks: ``index_copy_`` cost 2-7x more
                             # (5-10x beside vLLM's busy threads; docs/BENCHMARKS.md)
-                            runs = _runs(self._kernel_ids(blocks, t.group))
+                            runs = _runs(ids)
                         else:
-                            idx = self._kernel(blocks, t.group)
+                            idx = torch.tensor(ids, dtype=torch.long, device=self.device)
                         for cache, (off, end, shape) in zip(self.caches[t.group], self.parts[t.group]):
                             page = raw[off:end].view(cache.dtype).view(shape)
                             if self.device.type == "cpu":
@@ -914,8 +926,10 @@ class WorkerSide:
         """Write the payload of group ``group``'s page made of ``blocks`` into ``out`` (uint8,
         ``page_size``): each of its layers' blocks in logical order, then zeros (``out`` may be a
         reused buffer: nothing of an earlier page may be saved with this one)."""
-        idx = self._kernel(blocks, group)
-        k = len(idx)  # fewer than a page's blocks for a prompt's partial last page
+        ids = self._kernel_ids(blocks, group)
+        self._check_rows(ids, group)
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        k = len(ids)  # fewer than a page's blocks for a prompt's partial last page
         for cache, (off, end, shape) in zip(self.caches[group], self.parts[group]):
             region = out[off:end].view(cache.dtype).view(shape)
             if cache.device.type == "cpu":

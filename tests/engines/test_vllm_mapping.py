@@ -279,6 +279,30 @@ def test_a_save_longer_than_the_lease_lands_whole_in_half_lease_chunks(home: Pat
             assert torch.equal(b_kv[name][b_blocks[:22]], a_kv[name][blocks[:22]])
 
 
+def test_block_lists_a_page_cannot_hold_are_refused_not_truncated_or_wrapped(store: Path) -> None:
+    """More blocks than a page holds, or a block id the cache does not have, is refused: saved,
+    it would be cut to the page's first blocks (``index_select`` spills into the next layer's
+    part); loaded, a negative id would write the cache's last block (``narrow`` counts from the
+    end). A refused load reports its blocks as failed and writes nothing."""
+    with KVCacheClient.connect("vllm", home=store) as c:
+        kv = caches(seed=12)
+        w = worker(c, kv)
+        with pytest.raises(ValueError, match="3 cache blocks for a page of 2"):
+            w.page_bytes_of((5, 6, 7))
+        with pytest.raises(ValueError, match="out of range"):
+            w.page_bytes_of((5, 64))
+        assert w.save(PageTransfer("r1", (b"three",), ((5, 6, 7),), (0,))) == 0
+        assert w.save(PageTransfer("r1", (b"two",), ((5, 6),), (0,))) == 1
+        assert wait_for(lambda: c.lookup([b"two"]) == 1)
+        dst = caches()
+        wd = worker(c, dst)
+        for blocks, first in (((-1,), 1), ((63, 64), 0), ((3,), -1)):
+            assert wd.load(PageTransfer("r2", (b"two",), (blocks,), (first,))) == set(blocks)
+            assert not any(t.any() for t in dst.values())
+        assert wd.load(PageTransfer("r2", (b"two",), ((9,),), (1,))) == set()
+        assert all(torch.equal(dst[n][9], kv[n][6]) for n in kv)
+
+
 def test_no_page_with_a_null_block_or_a_freed_window_block_is_saved(store: Path) -> None:
     """An all-sliding-window model (window of 2 pages): vLLM's prefix cache hands a request its
     out-of-window blocks as the null block (0), and frees blocks as the window moves on. Neither
