@@ -35,7 +35,7 @@ import time
 import warnings
 from typing import cast
 from contextlib import closing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -861,11 +861,17 @@ class WorkerSide:
         r = 1 if self.state[group] else self.r  # vLLM splits attention blocks only
         return [b * r + k for b in blocks for k in range(r)]
 
+    def _layer_parts(self, buf: torch.Tensor, group: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cache of ``group`` with its part of page ``buf`` (uint8), viewed as that
+        cache's rows."""
+        for cache, (off, end, shape) in zip(self.caches[group], self.parts[group]):
+            yield cache, buf[off:end].view(cache.dtype).view(shape)
+
     def _check_rows(self, rows: Sequence[int], group: int) -> None:
         """Refuse cache rows a page cannot hold or the cache does not have: ``index_select`` into a
         part would spill into the next one, and ``narrow`` takes a negative row from the end."""
-        cap = self.parts[group][0][2][0] if self.parts[group] else 0
-        rows_in_cache = int(self.caches[group][0].shape[0]) if self.caches[group] else 0
+        cap = 1 if self.state[group] else self.bpp * self.r  # a page's rows (``parts``' first dimension)
+        rows_in_cache = int(self.caches[group][0].shape[0])  # a group has a layer (``__init__``)
         if len(rows) > cap:
             raise ValueError(f"{len(rows)} cache blocks for a page of {cap}")
         bad = [b for b in rows if not 0 <= b < rows_in_cache]
@@ -888,23 +894,20 @@ class WorkerSide:
                         blocks, first = t.block_ids[done], t.first[done]
                         if first < 0:
                             raise ValueError(f"a page's first block {first} is negative")
-                        r = 1 if self.state[t.group] else self.r
-                        lo, hi = first * r, (first + len(blocks)) * r
                         ids = self._kernel_ids(blocks, t.group)
                         self._check_rows(ids, t.group)
+                        lo = first * (1 if self.state[t.group] else self.r)  # the page's row of ids[0]
                         if self.device.type == "cpu":
                             # a copy per run of consecutive blocks: ``index_copy_`` cost 2-7x more
                             # (5-10x beside vLLM's busy threads; docs/BENCHMARKS.md)
                             runs = _runs(ids)
-                        else:
-                            idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-                        for cache, (off, end, shape) in zip(self.caches[t.group], self.parts[t.group]):
-                            page = raw[off:end].view(cache.dtype).view(shape)
-                            if self.device.type == "cpu":
+                            for cache, page in self._layer_parts(raw, t.group):
                                 for at, j, k in runs:
                                     cache.narrow(0, at, k).copy_(page.narrow(0, lo + j, k))
-                            else:
-                                cache.index_copy_(0, idx, page[lo:hi].to(self.device))
+                        else:
+                            idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+                            for cache, page in self._layer_parts(raw, t.group):
+                                cache.index_copy_(0, idx, page[lo:lo + len(ids)].to(self.device))
                         del raw
                         done += 1
             return set()
@@ -930,15 +933,14 @@ class WorkerSide:
         self._check_rows(ids, group)
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         k = len(ids)  # fewer than a page's blocks for a prompt's partial last page
-        for cache, (off, end, shape) in zip(self.caches[group], self.parts[group]):
-            region = out[off:end].view(cache.dtype).view(shape)
+        for cache, region in self._layer_parts(out, group):
             if cache.device.type == "cpu":
                 # one copy, straight into the page buffer; ``cache[idx]`` gathers into a temporary
                 # first (two copies) on a path that cost 10-100x more beside vLLM's busy threads
                 torch.index_select(cache, 0, idx, out=region[:k])
             else:
                 region[:k].copy_(cache[idx])  # gathered on the accelerator, then one copy to the host
-            if k < shape[0]:
+            if k < region.shape[0]:
                 region[k:].zero_()
         out[self.group_bytes[group]:].zero_()
 
