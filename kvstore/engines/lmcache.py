@@ -34,7 +34,9 @@ through the retire grace and hit hints, and a load of one retired meanwhile is a
 Tasks run on two threads, each with its own kvstore connection: stores on one, loads on
 the other, so loads never queue behind stores. Store tasks queued behind each other go to
 the devices as one put (``STORE_GROUP_PAGES``), so that the writes stream on between tasks;
-each task completes with its own pages' outcome. Loads read pipelined (``get_many``). Lookups and unlocks use a third connection
+each task completes with its own pages' outcome. Load tasks queued behind each other are read
+as one pipelined stream (``get_many``, ``LOAD_GROUP_PAGES``), each completing as soon as its own
+pages are copied. Lookups and unlocks use a third connection
 in the caller's thread: a lookup is answered from the shared index and its pins are
 posted without waiting, so it completes before ``submit_lookup_and_lock_task`` returns,
 with no thread hop. The read lane opens that connection, at the first lookup (which it
@@ -56,7 +58,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +81,8 @@ NAMESPACE = b"lmcache-l2\0"
 QUEUE_DEPTH = 1024
 #: A store task and those queued behind it go to the devices as one put of up to this many pages.
 STORE_GROUP_PAGES = 256
+#: Load tasks queued behind each other are read as one stream of up to this many pages.
+LOAD_GROUP_PAGES = 256
 #: Longest a lookup or unlock may wait for the service (a stall): past it, a lookup finds nothing
 #: (a miss), a lock pins nothing (a hint), an unlock goes to the read lane.
 LOOKUP_WAIT_S = 0.05
@@ -204,6 +209,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                                      "load_failed_objects", "load_s"), 0.0)
         self._connect = connect
         self._queued_stores: collections.deque[tuple[int, list[Any], list[Any]]] = collections.deque()
+        self._queued_loads: collections.deque[tuple[int, list[Any], list[Any]]] = collections.deque()
         self._writer = _Lane("kvstore-l2-store", connect)
         self._reader = _Lane("kvstore-l2-read", connect)
         # lookups and unlocks: a connection of their own, used in the caller's thread (pins and
@@ -546,43 +552,111 @@ class KVStoreL2Adapter(L2AdapterInterface):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         for k, o in zip(keys, objects):
             self._layouts[int(k.object_group_id)] = object_layout(o)
-        return self._submit(self._reader, "load", self._loads, lambda: Bitmap(len(keys)),
-                            lambda c: self._load(c, keys, objects), len(keys))
+        task_id = next(self._ids)
+        with self._lock:
+            self._queued_loads.append((task_id, keys, objects))
 
-    def _load(self, c: KVCacheClient, keys: Sequence[Any], objects: Sequence[Any]) -> Any:
+        def task(client: Callable[[], KVCacheClient]) -> None:
+            self._load_queued(client)
+
+        try:
+            self._reader.tasks.put_nowait(task)
+        except queue.Full:
+            log.warning("kvstore L2 adapter: %d tasks queued; failing a load task", QUEUE_DEPTH)
+            with self._lock:  # (taken back if no lane task got to it yet)
+                mine = [t for t in self._queued_loads if t[0] == task_id]
+                for t in mine:
+                    self._queued_loads.remove(t)
+            if mine:
+                self._fail_load(task_id, len(keys))
+        return task_id
+
+    def _fail_load(self, task_id: int, objects: int) -> None:
+        """Complete load task ``task_id`` as failed (all its ``objects``)."""
+        self._count_failed("load", objects)
+        self._done("load", self._loads, task_id, Bitmap(objects))
+
+    def _load_queued(self, client: Callable[[], KVCacheClient]) -> None:
+        """(On the read lane.) The load tasks queued by now, read as one pipelined stream (a
+        ``get_many`` per task drained the device queue at each task's end while its last pages
+        were copied), up to ``LOAD_GROUP_PAGES`` pages; each task completes as soon as its own
+        pages are in, before the pages of the tasks behind it are copied. The lane's later
+        tokens find nothing left and return."""
+        group: list[tuple[int, list[Any], list[Any]]] = []
+        pages = 0
+        with self._lock:
+            while self._queued_loads and (not group or pages < LOAD_GROUP_PAGES):
+                t = self._queued_loads.popleft()
+                group.append(t)
+                pages += sum(max(1, -(-int(o.get_size()) // self.page_size)) for o in t[2])
+        if not group:
+            return
+        done = 0  # tasks of the group completed
+        try:
+            for loaded in self._load(client(), [t[1] for t in group], [t[2] for t in group]):
+                self._done("load", self._loads, group[done][0], loaded)
+                done += 1
+        except Exception:
+            for task_id, keys, _objects in group[done:]:
+                self._fail_load(task_id, len(keys))
+            raise
+
+    def _load(self, c: KVCacheClient, tasks_keys: Sequence[Sequence[Any]],
+              tasks_objects: Sequence[Sequence[Any]]) -> Iterator[Any]:
+        """Read the objects of several load tasks as one stream of pages; yields each task's
+        ``Bitmap`` in order, as soon as its last page is copied."""
         t0 = time.perf_counter()
         ps = self.page_size
-        # every page of every object
-        wanted: list[tuple[int, int, bytes]] = []  # (object, page, key)
-        dsts = []
-        for i, (key, obj) in enumerate(zip(keys, objects)):
-            layout = object_layout(obj)
-            size = layout[0]
-            dsts.append((memoryview(obj.byte_array).cast("B")[:size], size))
-            wanted += [(i, p, k) for p, k in enumerate(page_keys(key, layout, ps))]
-        missing: set[int] = set()
+        # every page of every object of every task
+        wanted: list[tuple[int, int, int, bytes]] = []  # (task, object, page, key)
+        dsts: list[list[tuple[memoryview, int]]] = []
+        ends: list[int] = []  # each task's pages end here in ``wanted``
+        for t, (keys, objects) in enumerate(zip(tasks_keys, tasks_objects)):
+            td = []
+            for i, (key, obj) in enumerate(zip(keys, objects)):
+                layout = object_layout(obj)
+                size = layout[0]
+                td.append((memoryview(obj.byte_array).cast("B")[:size], size))
+                wanted += [(t, i, p, k) for p, k in enumerate(page_keys(key, layout, ps))]
+            dsts.append(td)
+            ends.append(len(wanted))
+        missing: set[tuple[int, int]] = set()
+        nxt = 0  # the next task to complete
+
+        def finished(t: int) -> Any:
+            keys = tasks_keys[t]
+            loaded = Bitmap(len(keys))
+            accessed = []
+            for i, key in enumerate(keys):
+                if (t, i) not in missing:  # a partly filled buffer is reported failed: LMCache recomputes it
+                    loaded.set(i)
+                    accessed.append(key)
+            if accessed:
+                self._notify_keys_accessed(accessed)
+            self._count(loaded_objects=len(accessed), load_failed_objects=len(keys) - len(accessed),
+                        loaded_bytes=sum(size for i, (_, size) in enumerate(dsts[t]) if (t, i) not in missing),
+                        load_s=time.perf_counter() - t0)
+            return loaded
+
+        while nxt < len(ends) and ends[nxt] == 0:  # tasks of no objects
+            yield finished(nxt)
+            nxt += 1
         # pipelined: the next pages are read while these are copied into LMCache's buffers
-        for s, views in c.get_many([k for _, _, k in wanted]):
-            for (i, p, _), v in zip(wanted[s:s + len(views)], views):
-                if v is None or i in missing:
-                    missing.add(i)
-                    continue
-                dst, size = dsts[i]
-                off = p * ps
-                n = min(ps, size - off)
-                dst[off:off + n] = v[:n]
-        loaded = Bitmap(len(keys))
-        accessed = []
-        for i, key in enumerate(keys):
-            if i not in missing:  # a partly filled buffer is reported failed: LMCache recomputes it
-                loaded.set(i)
-                accessed.append(key)
-        if accessed:
-            self._notify_keys_accessed(accessed)
-        self._count(loaded_objects=len(accessed), load_failed_objects=len(keys) - len(accessed),
-                    loaded_bytes=sum(dsts[i][1] for i in range(len(keys)) if i not in missing),
-                    load_s=time.perf_counter() - t0)
-        return loaded
+        with closing(c.get_many([k for *_, k in wanted])) as batches:
+            for s, views in batches:
+                for (t, i, p, _), v in zip(wanted[s:s + len(views)], views):
+                    if v is None or (t, i) in missing:
+                        missing.add((t, i))
+                        continue
+                    dst, size = dsts[t][i]
+                    off = p * ps
+                    n = min(ps, size - off)
+                    dst[off:off + n] = v[:n]
+                end = s + len(views)
+                while nxt < len(ends) and ends[nxt] <= end:
+                    yield finished(nxt)
+                    nxt += 1
+                    t0 = time.perf_counter()
 
     def query_load_result(self, task_id: int) -> Any:
         with self._lock:

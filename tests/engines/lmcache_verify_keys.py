@@ -6,13 +6,16 @@ another round passes it. This script uses LMCache's own pieces (its adapter conf
 and factory, ``ObjectKey`` and ``TensorMemoryObj`` from its benchmark helpers, its event
 fds and bitmaps) and gives every object of every round its own random bytes; then it
 loads every key, in random order, into buffers filled with something else, and compares
-each with what was stored under *that* key.
+each with what was stored under *that* key. ``--in-flight`` load tasks are submitted before
+any is waited for (an adapter may read them as one stream), and each also asks for a key that
+was never stored, which must be its only miss: a task's answer is about its own keys.
 
-    python lmcache_verify_keys.py ADAPTER_JSON --keys 64 --rounds 3 --size-kb 100 [--wrong-key]
+    python lmcache_verify_keys.py ADAPTER_JSON --keys 64 --rounds 3 --size-kb 100 [--in-flight 4] [--wrong-key]
 
 ``--wrong-key`` asks each load for the key after it (a deliberately wrong adapter): every
 key must then count as mismatched or missed, which shows the check can fail. Prints one
-JSON line: stored, loaded, verified, mismatched, missed, and the adapter's numeric status.
+JSON line: stored, loaded, verified, mismatched, missed, absent keys asked for and found (a
+key never stored, reported loaded), and the adapter's numeric status.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ def main() -> int:
     ap.add_argument("--keys", type=int, default=64, help="keys per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size-kb", type=int, default=100)
+    ap.add_argument("--in-flight", type=int, default=4, help="load tasks submitted before any is waited for")
     ap.add_argument("--wrong-key", action="store_true")
     a = ap.parse_args()
     size = a.size_kb * 1024
     cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[a.adapter])).adapters[0]
-    buf = make_aligned_tensor(2 * BATCH * size)
+    per = BATCH + 1  # objects of a load task: BATCH keys and one never stored
+    buf = make_aligned_tensor((BATCH + a.in_flight * per) * size)
     adapter = create_l2_adapter(cfg, l1_memory_desc=create_l1_memory_desc(buf))
     gen = torch.Generator().manual_seed(1234)
     stored: dict[int, torch.Tensor] = {}  # kv_rank (unique per key) -> the bytes stored under it
@@ -69,29 +74,44 @@ def main() -> int:
                 keys += ks
         order = list(range(len(keys)))
         random.Random(99).shuffle(order)
-        verified = mismatched = missed = 0
-        for start in range(0, len(order), BATCH):
-            idx = order[start:start + BATCH]
-            ks = [keys[i] for i in idx]
-            asked = [keys[(i + 1) % len(keys)] for i in idx] if a.wrong_key else ks
-            objs = make_memory_objects(buf, len(ks), size, BATCH * size, fill_offset=0x5A)
-            task = adapter.submit_load_task(asked, objs)
-            bitmap = None
-            while bitmap is None:
+        verified = mismatched = missed = absent = absent_found = 0
+        starts = list(range(0, len(order), BATCH))
+        for w in range(0, len(starts), a.in_flight):  # a wave of load tasks in flight at once
+            wave = []
+            for q, start in enumerate(starts[w:w + a.in_flight]):
+                idx = order[start:start + BATCH]
+                ks = [keys[i] for i in idx]
+                asked = [keys[(i + 1) % len(keys)] for i in idx] if a.wrong_key else list(ks)
+                # one key never stored, at a position of its own in each task
+                hole = (w + q) % (len(ks) + 1)
+                asked.insert(hole, make_object_keys(1, key_offset=10**9 + start)[0])
+                objs = make_memory_objects(buf, len(asked), size, (BATCH + q * per) * size, fill_offset=0x5A)
+                wave.append((adapter.submit_load_task(asked, objs), ks, objs, hole))
+            answers: dict[int, object] = {}
+            while len(answers) < len(wave):
                 if not wait_eventfd(adapter.get_load_event_fd(), TIMEOUT_S):
                     print(json.dumps({"error": "load timed out"}))
                     return 1
-                bitmap = adapter.query_load_result(task)
-            for j, (k, o) in enumerate(zip(ks, objs)):
-                if not bitmap.test(j):
-                    missed += 1
-                elif torch.equal(o.raw_data, stored[k.kv_rank]):
-                    verified += 1
-                else:
-                    mismatched += 1
+                for task, *_ in wave:
+                    if task not in answers:
+                        got = adapter.query_load_result(task)
+                        if got is not None:
+                            answers[task] = got
+            for task, ks, objs, hole in wave:
+                bitmap = answers[task]
+                absent += 1
+                absent_found += int(bitmap.test(hole))  # type: ignore[attr-defined]
+                real = [(j, o) for j, o in enumerate(objs) if j != hole]
+                for k, (j, o) in zip(ks, real):
+                    if not bitmap.test(j):  # type: ignore[attr-defined]
+                        missed += 1
+                    elif torch.equal(o.raw_data, stored[k.kv_rank]):
+                        verified += 1
+                    else:
+                        mismatched += 1
         status = adapter.report_status()  # LMCache's status API (`lmcache server`'s /info shows it)
         print(json.dumps({"stored": len(stored), "loaded": len(keys), "verified": verified,
-                          "mismatched": mismatched, "missed": missed,
+                          "mismatched": mismatched, "missed": missed, "absent": absent, "absent_found": absent_found,
                           "status": {k: v for k, v in status.items() if isinstance(v, (int, float))}}))
         return 0
     finally:
