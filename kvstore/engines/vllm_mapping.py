@@ -947,7 +947,7 @@ class WorkerSide:
     def save(self, t: PageTransfer) -> int:
         """Copy the pages of ``t`` out of the paged cache into leased page buffers (``reserve``: one
         copy, from the cache straight into the memory the device is written from) and commit
-        them; returns pages accepted (0 on error).
+        them; returns pages accepted (on an error, those of the chunks committed before it).
 
         Half a lease at a time: a commit answers once the writes are queued, and the buffers
         come back as they are written, so the next half is filled while the last is written
@@ -967,7 +967,7 @@ class WorkerSide:
             return n
         except Exception as e:
             log.warning("kvstore save failed", req=t.req_id, error=repr(e))
-            return 0
+            return n
         finally:
             self.stats.add(save_pages=n, save_bytes=n * self.group_bytes[t.group], save_s=time.perf_counter() - t0,
                            save_failed_pages=len(t.keys) - n)

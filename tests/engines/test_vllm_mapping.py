@@ -277,6 +277,15 @@ def test_a_save_longer_than_the_lease_lands_whole_in_half_lease_chunks(home: Pat
         assert worker(c, b_kv).load(sb.build_plan().loads[0]) == set()
         for name in a_kv:
             assert torch.equal(b_kv[name][b_blocks[:22]], a_kv[name][blocks[:22]])
+        # a save whose last chunk fails (a block list no page holds) after the first was
+        # committed: it returns the pages committed, which are there, and counts the one it lost
+        wa.stats.take()
+        part = PageTransfer("p", tuple(b"part%d" % i for i in range(5)),
+                            tuple((2 * i + 1, 2 * i + 2) for i in range(4)) + ((1, 2, 3),), (0,) * 5)
+        assert wa.save(part) == 4
+        st = wa.stats.take()
+        assert st is not None and (st["save_pages"], st["save_failed_pages"]) == (4, 1), st
+        assert wait_for(lambda: c.lookup([b"part%d" % i for i in range(5)]) == 4)
 
 
 def test_block_lists_a_page_cannot_hold_are_refused_not_truncated_or_wrapped(store: Path) -> None:

@@ -16,12 +16,15 @@ given to scripts/setup (then they are skipped, with that reason).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,10 +50,15 @@ BLOCK = 128            # vLLM CPU's default block size
 PAGE_TOKENS = 2 * BLOCK  # two blocks per page: exercises loads from the middle of a page
 PAGE = PAGE_TOKENS // BLOCK * 4 * 2 * BLOCK * 128 * 2  # 4 layers x (2 heads x 128 tokens x 128 bf16) per block
 STEP = 1024            # max_num_batched_tokens: prompts longer than this prefill in chunks
+# vLLM makes its ZeroMQ IPC sockets and file:// rendezvous files in the temporary directory and
+# never removes them (thousands after a few runs of the suite): its processes get a directory of
+# their own, short (a socket's path holds 107 bytes), removed when this test process exits
+VLLM_TMP = tempfile.mkdtemp(prefix="kvs-vllm-")
+atexit.register(shutil.rmtree, VLLM_TMP, True)
 # OMP_NUM_THREADS as vLLM sets it for its own worker processes from the bind list: runs in one
 # process and runs across vLLM's processes compute alike on a machine of any size
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+       "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "TMPDIR": VLLM_TMP}
 
 
 def prompt(seed: int, n: int) -> list[int]:
