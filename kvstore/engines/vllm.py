@@ -498,8 +498,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             for req_id, blocks in meta.plan.failed.items():
                 self.loader.fail(req_id, blocks)
             return
-        for t in meta.plan.loads:
-            self._load_errors |= self.worker.load(t)
+        for bad in self.worker.load_many(meta.plan.loads):  # one stream for the step's loads
+            self._load_errors |= bad
         for blocks in meta.plan.failed.values():
             self._load_errors |= set(blocks)
 

@@ -880,43 +880,87 @@ class WorkerSide:
 
     def load(self, t: PageTransfer) -> set[int]:
         """Fill the blocks of ``t`` from the store; returns the block ids that could not be filled."""
-        done = 0
+        return next(self.load_many([t]))
+
+    def load_many(self, ts: Sequence[PageTransfer]) -> Iterator[set[int]]:
+        """Fill the blocks of several transfers from the store, their pages read as one pipelined
+        stream (read one transfer at a time, the device queue drained at each one's end while
+        its last pages were copied); yields, in order, each transfer's block ids that could not
+        be filled, as soon as its last page is copied. A page that misses or does not fit fails
+        its transfer from that page on (its later pages are read with the stream, not written);
+        a failure of the stream itself (the service gone, a timeout) fails the rest of each
+        transfer not yet reported."""
+        ends: list[int] = []  # transfer x's pages end at ends[x] in the stream
+        for t in ts:
+            ends.append((ends[-1] if ends else 0) + len(t.keys))
+        done = [0] * len(ts)  # pages written, per transfer
+        bad: list[set[int] | None] = [None] * len(ts)  # a transfer's failed blocks, once it has some
         t0 = time.perf_counter()
+        nxt = 0  # the next transfer to report
+
+        def report(x: int) -> set[int]:
+            nonlocal t0
+            t, d = ts[x], done[x]
+            self.stats.add(load_pages=d, load_bytes=d * self.group_bytes[t.group], load_s=time.perf_counter() - t0,
+                           load_failed_pages=len(t.keys) - d)
+            t0 = time.perf_counter()
+            return bad[x] or set()
+
         try:
             # pipelined: the next batches' reads run while this one is copied into the cache
-            with closing(self.client.get_many(self._rank_keys(t.keys))) as batches, warnings.catch_warnings():
+            with closing(self.client.get_many([k for t in ts for k in self._rank_keys(t.keys)])) as batches:
+                x = 0
+                for start, pages in batches:
+                    for at, view in enumerate(pages, start):
+                        while at >= ends[x]:
+                            x += 1
+                        if bad[x] is None:
+                            p = at - ends[x] + len(ts[x].keys)  # the page's index in its transfer
+                            bad[x] = self._load_page(ts[x], p, view)
+                            done[x] += bad[x] is None
+                    while nxt < len(ts) and ends[nxt] <= start + len(pages):
+                        yield report(nxt)
+                        nxt += 1
+        except Exception as e:
+            log.warning("kvstore load failed; these blocks are recomputed", req=ts[nxt].req_id if nxt < len(ts) else "",
+                        error=repr(e))
+            for x in range(nxt, len(ts)):
+                if bad[x] is None:
+                    bad[x] = ts[x].all_blocks(done[x])
+        while nxt < len(ts):  # transfers of no pages, or failed with the stream
+            yield report(nxt)
+            nxt += 1
+
+    def _load_page(self, t: PageTransfer, p: int, view: memoryview | None) -> set[int] | None:
+        """Write page ``p`` of ``t`` (``view``, None: a miss) into its blocks; None when done, else
+        the blocks of ``t`` that cannot be filled (this page's and those after it)."""
+        if view is None:
+            return t.all_blocks(p)
+        try:
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
-                for _start, pages in batches:
-                    for view in pages:
-                        if view is None:
-                            return t.all_blocks(done)
-                        raw = torch.frombuffer(view, dtype=torch.uint8, count=self.group_bytes[t.group])
-                        blocks, first = t.block_ids[done], t.first[done]
-                        if first < 0:
-                            raise ValueError(f"a page's first block {first} is negative")
-                        ids = self._kernel_ids(blocks, t.group)
-                        self._check_rows(ids, t.group)
-                        lo = first * (1 if self.state[t.group] else self.r)  # the page's row of ids[0]
-                        if self.device.type == "cpu":
-                            # a copy per run of consecutive blocks: ``index_copy_`` cost 2-7x more
-                            # (5-10x beside vLLM's busy threads; docs/BENCHMARKS.md)
-                            runs = _runs(ids)
-                            for cache, page in self._layer_parts(raw, t.group):
-                                for at, j, k in runs:
-                                    cache.narrow(0, at, k).copy_(page.narrow(0, lo + j, k))
-                        else:
-                            idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-                            for cache, page in self._layer_parts(raw, t.group):
-                                cache.index_copy_(0, idx, page[lo:lo + len(ids)].to(self.device))
-                        del raw
-                        done += 1
-            return set()
+                raw = torch.frombuffer(view, dtype=torch.uint8, count=self.group_bytes[t.group])
+            blocks, first = t.block_ids[p], t.first[p]
+            if first < 0:
+                raise ValueError(f"a page's first block {first} is negative")
+            ids = self._kernel_ids(blocks, t.group)
+            self._check_rows(ids, t.group)
+            lo = first * (1 if self.state[t.group] else self.r)  # the page's row of ids[0]
+            if self.device.type == "cpu":
+                # a copy per run of consecutive blocks: ``index_copy_`` cost 2-7x more
+                # (5-10x beside vLLM's busy threads; docs/BENCHMARKS.md)
+                runs = _runs(ids)
+                for cache, page in self._layer_parts(raw, t.group):
+                    for at, j, k in runs:
+                        cache.narrow(0, at, k).copy_(page.narrow(0, lo + j, k))
+            else:
+                idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+                for cache, page in self._layer_parts(raw, t.group):
+                    cache.index_copy_(0, idx, page[lo:lo + len(ids)].to(self.device))
+            return None
         except Exception as e:
             log.warning("kvstore load failed; these blocks are recomputed", req=t.req_id, error=repr(e))
-            return t.all_blocks(done)
-        finally:
-            self.stats.add(load_pages=done, load_bytes=done * self.group_bytes[t.group], load_s=time.perf_counter() - t0,
-                           load_failed_pages=len(t.keys) - done)
+            return t.all_blocks(p)
 
     def page_bytes_of(self, blocks: Sequence[int], group: int = 0) -> torch.Tensor:
         """The payload of group ``group``'s page made of ``blocks`` (a contiguous uint8 tensor of
@@ -980,6 +1024,8 @@ class _TransferThread:
     (``_finished``, called under ``cv``)."""
 
     name = "kvstore-transfer"
+    merge_pages = 0
+    """Transfers queued behind the one taken are taken with it up to this many pages (0: one at a time)."""
 
     def __init__(self, worker: WorkerSide) -> None:
         self.worker = worker
@@ -1005,27 +1051,61 @@ class _TransferThread:
     def _do(self, t: PageTransfer) -> set[int]:
         raise NotImplementedError
 
+    def _do_many(self, ts: list[PageTransfer]) -> Iterator[set[int]]:
+        """Run ``ts`` (taken from the queue together, ``merge_pages``), yielding each one's
+        failed blocks in order as it finishes."""
+        for t in ts:
+            yield self._do(t)
+
     def _finished(self, req_id: str) -> None:
         """The last pending transfer of ``req_id`` is done (``cv`` is held)."""
 
-    def _run(self) -> None:
-        while True:
-            t = self.q.get()
-            if t is None:
-                return
-            bad: set[int] = t.all_blocks()
+    def _take(self) -> tuple[list[PageTransfer], bool]:
+        """The next transfer and those queued behind it up to ``merge_pages`` pages; and whether
+        ``close`` came after them (the thread stops once they are done)."""
+        t = self.q.get()
+        if t is None:
+            return [], True
+        ts, pages = [t], len(t.keys)
+        while pages < self.merge_pages:
             try:
-                bad = self._do(t)
-            finally:
-                with self.cv:
-                    self._account(t, bad)  # before the request can be reported done
-                    n = self.pending[t.req_id] - 1
-                    if n:
-                        self.pending[t.req_id] = n
-                    else:
-                        del self.pending[t.req_id]
-                        self._finished(t.req_id)
-                    self.cv.notify_all()
+                u = self.q.get_nowait()
+            except queue.Empty:
+                break
+            if u is None:
+                return ts, True
+            ts.append(u)
+            pages += len(u.keys)
+        return ts, False
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            ts, stop = self._take()
+            results = self._do_many(ts)
+            for i, t in enumerate(ts):
+                bad: set[int] = t.all_blocks()
+                try:
+                    bad = next(results)
+                except BaseException:
+                    for u in ts[i + 1:]:  # every transfer taken is accounted, failed
+                        with self.cv:
+                            self._end(u, u.all_blocks())
+                    raise
+                finally:
+                    with self.cv:
+                        self._end(t, bad)
+
+    def _end(self, t: PageTransfer, bad: set[int]) -> None:
+        """(``cv`` held.) Transfer ``t`` is over, ``bad`` its blocks not moved."""
+        self._account(t, bad)  # before the request can be reported done
+        n = self.pending[t.req_id] - 1
+        if n:
+            self.pending[t.req_id] = n
+        else:
+            del self.pending[t.req_id]
+            self._finished(t.req_id)
+        self.cv.notify_all()
 
     def _account(self, t: PageTransfer, bad: set[int]) -> None:
         """Blocks transfer ``t`` could not move (``cv`` is held)."""
@@ -1087,8 +1167,13 @@ class AsyncLoader(_TransferThread):
         self.failed: set[str] = set()
         super().__init__(worker)
 
+    merge_pages = 1024  # a step's loads (one transfer per request and group) read as one stream
+
     def _do(self, t: PageTransfer) -> set[int]:
         return self.worker.load(t)
+
+    def _do_many(self, ts: list[PageTransfer]) -> Iterator[set[int]]:
+        return self.worker.load_many(ts)
 
     def _account(self, t: PageTransfer, bad: set[int]) -> None:
         self.errors |= bad

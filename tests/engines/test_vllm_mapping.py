@@ -288,6 +288,70 @@ def test_a_save_longer_than_the_lease_lands_whole_in_half_lease_chunks(home: Pat
         assert wait_for(lambda: c.lookup([b"part%d" % i for i in range(5)]) == 4)
 
 
+def test_loads_of_several_requests_read_as_one_stream_each_answered_for_its_own_pages(
+        home: Path, file_devices: Any, services: Any) -> None:
+    """A step's loads (and those queued behind a busy loader) are read as one stream of pages,
+    with batches that cross from one request's pages to the next (a lease of 8: batches of 2).
+    Each transfer still gets its own answer: a miss fails its own request from that page on, a
+    block list no page holds fails its own request, an empty transfer is answered, and the
+    requests around them load whole, each block where it belongs."""
+    from kvstore.config import ServiceConfig
+    from kvstore.engines.vllm_mapping import AsyncLoader
+
+    devs = file_devices.make(1, (1 << 20) + 64 * (4096 + PAGE_BYTES))
+    make_store(home, "stream", devs, PAGE_BYTES, service=ServiceConfig(client_buffers=8))
+    services(home, "stream")
+    with KVCacheClient.connect("stream", home=home) as c:
+        src = caches(seed=21)
+        keys = {r: tuple(b"m/%s/%d" % (r.encode(), p) for p in range(3)) for r in "abf"}
+        home_blocks = {"a": 1, "b": 7, "f": 13}  # each request's pages, 2 blocks each, in the source
+        w = worker(c, src)
+        for r, k in keys.items():
+            b0 = home_blocks[r]
+            assert w.save(PageTransfer(r, k, tuple((b0 + 2 * p, b0 + 2 * p + 1) for p in range(3)), (0,) * 3)) == 3
+        assert wait_for(lambda: c.lookup([k for ks in keys.values() for k in ks]) == 9)
+
+        def plan(base: int) -> list[PageTransfer]:  # into blocks base.. of another cache
+            return [
+                PageTransfer("a", keys["a"], ((base, base + 1), (base + 2, base + 3), (base + 4, base + 5)), (0,) * 3),
+                PageTransfer("b", (keys["b"][0], b"never-saved", keys["b"][2]),
+                             ((base + 6, base + 7), (base + 8, base + 9), (base + 10, base + 11)), (0,) * 3),
+                PageTransfer("c", keys["a"][:2], ((base + 12, base + 13, base + 14), (base + 15, base + 16)), (0,) * 2),
+                PageTransfer("e", (), (), ()),
+                PageTransfer("f", keys["f"], ((base + 17, base + 18), (base + 19, base + 20), (base + 21, base + 22)),
+                             (0,) * 3),
+            ]
+
+        def check(dst: dict[str, Any], base: int) -> None:
+            for n in src:
+                assert torch.equal(dst[n][base:base + 6], src[n][1:7])           # a, whole
+                assert torch.equal(dst[n][base + 6:base + 8], src[n][7:9])       # b's page before the miss
+                assert not dst[n][base + 8:base + 17].any()                      # b after it, c: not written
+                assert torch.equal(dst[n][base + 17:base + 23], src[n][13:19])   # f, whole
+
+        want = [set(), set(range(8, 12)), set(range(12, 17)), set(), set()]
+        dst = caches(num_blocks=64)
+        assert list(worker(c, dst).load_many(plan(0))) == want
+        check(dst, 0)
+        # through the asynchronous loader: all five queued at once, answered per request
+        dst2 = caches(num_blocks=64)
+        loader = AsyncLoader(worker(c, dst2))
+        loader.submit_all(plan(30))
+        done: set[str] = set()
+        failed: set[str] = set()
+
+        def taken() -> bool:
+            d, f = loader.take_done()
+            done.update(d)
+            failed.update(f)
+            return done == {"a", "b", "c", "e", "f"}
+
+        assert wait_for(taken, 30), done
+        assert failed == {"b", "c"} and loader.take_errors() == set(range(38, 47))
+        check(dst2, 30)
+        loader.close()
+
+
 def test_block_lists_a_page_cannot_hold_are_refused_not_truncated_or_wrapped(store: Path) -> None:
     """More blocks than a page holds, or a block id the cache does not have, is refused: saved,
     it would be cut to the page's first blocks (``index_select`` spills into the next layer's
