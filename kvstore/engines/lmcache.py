@@ -306,7 +306,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             while self._queued_stores and (not group or pages < STORE_GROUP_PAGES):
                 t = self._queued_stores.popleft()
                 group.append(t)
-                pages += sum(max(1, -(-int(o.get_size()) // self.page_size)) for o in t[2])
+                pages += self._pages_in(t[2])
         if not group:
             return
         try:
@@ -318,6 +318,18 @@ class KVStoreL2Adapter(L2AdapterInterface):
             raise
         for (task_id, _keys, _objects), r in zip(group, results):
             self._done("store", self._stores, task_id, r)
+
+    def _pages_in(self, objects: Sequence[Any]) -> int:
+        """Pages a task's objects take, to size a group (taken from the queue before anything can
+        fail a task on its own: an object that cannot say its size counts one page, and fails its
+        own task when it is read)."""
+        n = 0
+        for o in objects:
+            try:
+                n += max(1, -(-int(o.get_size()) // self.page_size))
+            except Exception:
+                n += 1
+        return n
 
     def _count(self, **counts: float) -> None:
         with self._lock:
@@ -588,7 +600,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             while self._queued_loads and (not group or pages < LOAD_GROUP_PAGES):
                 t = self._queued_loads.popleft()
                 group.append(t)
-                pages += sum(max(1, -(-int(o.get_size()) // self.page_size)) for o in t[2])
+                pages += self._pages_in(t[2])
         if not group:
             return
         done = 0  # tasks of the group completed
@@ -611,16 +623,23 @@ class KVStoreL2Adapter(L2AdapterInterface):
         wanted: list[tuple[int, int, int, bytes]] = []  # (task, object, page, key)
         dsts: list[list[tuple[memoryview, int]]] = []
         ends: list[int] = []  # each task's pages end here in ``wanted``
+        missing: set[tuple[int, int]] = set()  # (task, object) not loaded
         for t, (keys, objects) in enumerate(zip(tasks_keys, tasks_objects)):
-            td = []
-            for i, (key, obj) in enumerate(zip(keys, objects)):
-                layout = object_layout(obj)
-                size = layout[0]
-                td.append((memoryview(obj.byte_array).cast("B")[:size], size))
-                wanted += [(t, i, p, k) for p, k in enumerate(page_keys(key, layout, ps))]
+            td: list[tuple[memoryview, int]] = []
+            tw: list[tuple[int, int, int, bytes]] = []
+            try:
+                for i, (key, obj) in enumerate(zip(keys, objects)):
+                    layout = object_layout(obj)
+                    size = layout[0]
+                    td.append((memoryview(obj.byte_array).cast("B")[:size], size))
+                    tw += [(t, i, p, k) for p, k in enumerate(page_keys(key, layout, ps))]
+            except Exception:  # a task whose objects cannot be read fails alone, reading nothing
+                log.exception("kvstore L2 adapter: a load task's objects could not be read")
+                td, tw = [], []
+                missing.update((t, i) for i in range(len(keys)))
+            wanted += tw
             dsts.append(td)
             ends.append(len(wanted))
-        missing: set[tuple[int, int]] = set()
         nxt = 0  # the next task to complete
 
         def finished(t: int) -> Any:
@@ -632,7 +651,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     loaded.set(i)
                     accessed.append(key)
             if accessed:
-                self._notify_keys_accessed(accessed)
+                try:
+                    self._notify_keys_accessed(accessed)
+                except Exception:
+                    log.exception("kvstore L2 adapter: notifying LMCache of loaded keys failed")
             self._count(loaded_objects=len(accessed), load_failed_objects=len(keys) - len(accessed),
                         loaded_bytes=sum(size for i, (_, size) in enumerate(dsts[t]) if (t, i) not in missing),
                         load_s=time.perf_counter() - t0)
@@ -651,7 +673,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     dst, size = dsts[t][i]
                     off = p * ps
                     n = min(ps, size - off)
-                    dst[off:off + n] = v[:n]
+                    try:
+                        dst[off:off + n] = v[:n]
+                    except Exception:  # (a buffer LMCache handed over that cannot take it) this object fails
+                        log.exception("kvstore L2 adapter: a loaded page could not be copied out")
+                        missing.add((t, i))
                 end = s + len(views)
                 while nxt < len(ends) and ends[nxt] <= end:
                     yield finished(nxt)

@@ -35,7 +35,7 @@ import time
 import warnings
 from typing import cast
 from contextlib import closing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -882,7 +882,7 @@ class WorkerSide:
         """Fill the blocks of ``t`` from the store; returns the block ids that could not be filled."""
         return next(self.load_many([t]))
 
-    def load_many(self, ts: Sequence[PageTransfer]) -> Iterator[set[int]]:
+    def load_many(self, ts: Sequence[PageTransfer]) -> Generator[set[int], None, None]:
         """Fill the blocks of several transfers from the store, their pages read as one pipelined
         stream (read one transfer at a time, the device queue drained at each one's end while
         its last pages were copied); yields, in order, each transfer's block ids that could not
@@ -900,8 +900,9 @@ class WorkerSide:
 
         def report(x: int) -> set[int]:
             nonlocal t0
-            t, d = ts[x], done[x]
-            self.stats.add(load_pages=d, load_bytes=d * self.group_bytes[t.group], load_s=time.perf_counter() - t0,
+            t, d = ts[x], done[x]  # (d is 0 for a group this cache does not have: its first page failed)
+            self.stats.add(load_pages=d, load_bytes=d * self.group_bytes[t.group] if d else 0,
+                           load_s=time.perf_counter() - t0,
                            load_failed_pages=len(t.keys) - d)
             t0 = time.perf_counter()
             return bad[x] or set()
@@ -1051,7 +1052,7 @@ class _TransferThread:
     def _do(self, t: PageTransfer) -> set[int]:
         raise NotImplementedError
 
-    def _do_many(self, ts: list[PageTransfer]) -> Iterator[set[int]]:
+    def _do_many(self, ts: list[PageTransfer]) -> Generator[set[int], None, None]:
         """Run ``ts`` (taken from the queue together, ``merge_pages``), yielding each one's
         failed blocks in order as it finishes."""
         for t in ts:
@@ -1083,18 +1084,22 @@ class _TransferThread:
         while not stop:
             ts, stop = self._take()
             results = self._do_many(ts)
-            for i, t in enumerate(ts):
-                bad: set[int] = t.all_blocks()
-                try:
-                    bad = next(results)
-                except BaseException:
-                    for u in ts[i + 1:]:  # every transfer taken is accounted, failed
+            try:
+                for i, t in enumerate(ts):
+                    bad: set[int] = t.all_blocks()
+                    try:
+                        bad = next(results)
+                    except BaseException:
+                        for u in ts[i + 1:]:  # every transfer taken is accounted, failed
+                            with self.cv:
+                                self._end(u, u.all_blocks())
+                        raise
+                    finally:
                         with self.cv:
-                            self._end(u, u.all_blocks())
-                    raise
-                finally:
-                    with self.cv:
-                        self._end(t, bad)
+                            self._end(t, bad)
+            finally:
+                # a stream holds its last batch's buffers until it is finished: not while idle
+                results.close()
 
     def _end(self, t: PageTransfer, bad: set[int]) -> None:
         """(``cv`` held.) Transfer ``t`` is over, ``bad`` its blocks not moved."""
@@ -1172,7 +1177,7 @@ class AsyncLoader(_TransferThread):
     def _do(self, t: PageTransfer) -> set[int]:
         return self.worker.load(t)
 
-    def _do_many(self, ts: list[PageTransfer]) -> Iterator[set[int]]:
+    def _do_many(self, ts: list[PageTransfer]) -> Generator[set[int], None, None]:
         return self.worker.load_many(ts)
 
     def _account(self, t: PageTransfer, bad: set[int]) -> None:

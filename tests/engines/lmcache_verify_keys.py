@@ -8,14 +8,17 @@ fds and bitmaps) and gives every object of every round its own random bytes; the
 loads every key, in random order, into buffers filled with something else, and compares
 each with what was stored under *that* key. ``--in-flight`` load tasks are submitted before
 any is waited for (an adapter may read them as one stream), and each also asks for a key that
-was never stored, which must be its only miss: a task's answer is about its own keys.
+was never stored, which must be its only miss: a task's answer is about its own keys. The
+second task of each wave also asks, last, for a stored key into a read-only buffer: that
+object must fail alone (its task's other objects, and the other tasks, load).
 
     python lmcache_verify_keys.py ADAPTER_JSON --keys 64 --rounds 3 --size-kb 100 [--in-flight 4] [--wrong-key]
 
 ``--wrong-key`` asks each load for the key after it (a deliberately wrong adapter): every
 key must then count as mismatched or missed, which shows the check can fail. Prints one
 JSON line: stored, loaded, verified, mismatched, missed, absent keys asked for and found (a
-key never stored, reported loaded), and the adapter's numeric status.
+key never stored, reported loaded), read-only objects asked for and reported loaded, and the
+adapter's numeric status.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_
 
 BATCH = 16
 TIMEOUT_S = 60.0
+
+
+class ReadOnly:
+    """A memory object like ``o`` whose buffer cannot be written (a load into it must fail)."""
+
+    def __init__(self, o: object) -> None:
+        self.metadata = o.metadata  # type: ignore[attr-defined]
+        self.get_size = o.get_size  # type: ignore[attr-defined]
+        self.byte_array = bytes(o.get_size())  # type: ignore[attr-defined]
 
 
 def main() -> int:
@@ -74,7 +86,7 @@ def main() -> int:
                 keys += ks
         order = list(range(len(keys)))
         random.Random(99).shuffle(order)
-        verified = mismatched = missed = absent = absent_found = 0
+        verified = mismatched = missed = absent = absent_found = readonly = readonly_found = 0
         starts = list(range(0, len(order), BATCH))
         for w in range(0, len(starts), a.in_flight):  # a wave of load tasks in flight at once
             wave = []
@@ -86,7 +98,11 @@ def main() -> int:
                 hole = (w + q) % (len(ks) + 1)
                 asked.insert(hole, make_object_keys(1, key_offset=10**9 + start)[0])
                 objs = make_memory_objects(buf, len(asked), size, (BATCH + q * per) * size, fill_offset=0x5A)
-                wave.append((adapter.submit_load_task(asked, objs), ks, objs, hole))
+                ro = q == 1
+                if ro:  # a stored key, into a buffer that cannot take it
+                    asked.append(asked[0] if hole else asked[1])
+                    objs.append(ReadOnly(objs[0]))
+                wave.append((adapter.submit_load_task(asked, objs), ks, objs, hole, ro))
             answers: dict[int, object] = {}
             while len(answers) < len(wave):
                 if not wait_eventfd(adapter.get_load_event_fd(), TIMEOUT_S):
@@ -97,10 +113,14 @@ def main() -> int:
                         got = adapter.query_load_result(task)
                         if got is not None:
                             answers[task] = got
-            for task, ks, objs, hole in wave:
+            for task, ks, objs, hole, ro in wave:
                 bitmap = answers[task]
                 absent += 1
                 absent_found += int(bitmap.test(hole))  # type: ignore[attr-defined]
+                if ro:
+                    readonly += 1
+                    readonly_found += int(bitmap.test(len(objs) - 1))  # type: ignore[attr-defined]
+                    objs = objs[:-1]
                 real = [(j, o) for j, o in enumerate(objs) if j != hole]
                 for k, (j, o) in zip(ks, real):
                     if not bitmap.test(j):  # type: ignore[attr-defined]
@@ -112,6 +132,7 @@ def main() -> int:
         status = adapter.report_status()  # LMCache's status API (`lmcache server`'s /info shows it)
         print(json.dumps({"stored": len(stored), "loaded": len(keys), "verified": verified,
                           "mismatched": mismatched, "missed": missed, "absent": absent, "absent_found": absent_found,
+                          "readonly": readonly, "readonly_found": readonly_found,
                           "status": {k: v for k, v in status.items() if isinstance(v, (int, float))}}))
         return 0
     finally:

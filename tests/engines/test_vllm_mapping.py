@@ -4,6 +4,7 @@ is tests/engines/test_vllm_real.py; these pin down the cases that are slow to re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -349,6 +350,13 @@ def test_loads_of_several_requests_read_as_one_stream_each_answered_for_its_own_
         assert wait_for(taken, 30), done
         assert failed == {"b", "c"} and loader.take_errors() == set(range(38, 47))
         check(dst2, 30)
+        # idle, the loader holds none of the lease (a finished stream gives its last batch back)
+        assert wait_for(lambda: c.free_buffers() == c.max_batch, 10), c.free_buffers()
+        # a transfer of a KV cache group this cache does not have fails alone; the thread lives on
+        loader.submit_all([replace(plan(30)[0], req_id="g", group=5), replace(plan(30)[4], req_id="h")])
+        done.clear()
+        assert wait_for(lambda: done.update(loader.take_done()[0]) or done == {"g", "h"}, 30), done
+        assert loader.take_errors() == set(range(30, 36)) and loader.thread.is_alive()
         loader.close()
 
 
