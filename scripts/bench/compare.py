@@ -19,6 +19,11 @@ Systems (each verified: every loaded byte is compared with what was saved):
   registered buffers and ``batch_put_from``/``batch_get_into`` (the served
   mode: the data lives in another process).
 
+``--target shm-loop`` puts kvstore's device (and fio's reference) on a memory-backed loop
+device instead of a file on ``--dir`` (the setting of issue 26's Mooncake anchors: the device
+is then as fast as memory, as Redis's and Mooncake's pages in RAM are); the file-per-page
+systems stay on ``--dir``'s file system, so compare them only in the default ``disk-file``.
+
 Peers are installed by this script into their own virtual environment
 (``--peers-venv``, from ``scripts/bench/compare-requirements.txt``); Redis
 comes from Debian's ``redis-server`` (installed with apt-get when missing and
@@ -56,6 +61,9 @@ from kvstore.config import ServiceConfig
 from kvstore.testing import ServiceProcess, free_port, make_store, script_args, write_record
 
 WORKER = str(REPO / "scripts" / "bench" / "peers" / "worker.py")
+
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
+from throughput import make_target  # noqa: E402
 
 
 
@@ -148,6 +156,8 @@ def main() -> int:
                     default=["fio", "kvstore", "redis", "file-buffered", "file-direct", "mooncake"])
     ap.add_argument("--dir", default="/var/tmp", help="file system of the device file and the page files")
     ap.add_argument("--peers-venv", default="/var/tmp/kvstore-bench-peers")
+    ap.add_argument("--target", choices=["disk-file", "shm-loop"], default="disk-file",
+                    help="kvstore's and fio's device: a file on --dir, or a memory-backed loop device")
     a = ap.parse_args()
     sizes = [parse_size(x) for x in (a.page_size or ["256KiB", "4MiB"])]
     total = parse_size(a.size)
@@ -165,14 +175,14 @@ def main() -> int:
         if shutil.which("redis-server") is None:
             unavailable["redis"] = "redis-server is not installed (apt-get install redis-server)"
     procs: list[subprocess.Popen[Any]] = []
+    cleanup: list[str] = []
     try:
         for ps in sizes:
             n = total // ps
-            dev = work / "dev.img"
             nbytes = (2 << 20) + (n + 64) * (4096 + ps)
-            with open(dev, "wb") as f:
-                f.truncate(nbytes)
-            subprocess.run(["fallocate", "-l", str(nbytes), str(dev)], check=False)
+            for cmd in cleanup:  # the last page size's device
+                subprocess.run(cmd, shell=True, check=False)
+            dev, cleanup = make_target(a.target, nbytes, work)
             # precondition the device (first-touch allocation) for fio and kvstore alike
             subprocess.run(["fio", "--name=pre", f"--filename={dev}", "--ioengine=libaio", "--direct=1", "--rw=write",
                             "--bs=1M", "--iodepth=8", f"--size={nbytes - (1 << 20)}", "--offset=1M"],
@@ -255,6 +265,8 @@ def main() -> int:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        for cmd in cleanup:
+            subprocess.run(cmd, shell=True, check=False)
         shutil.rmtree(work, ignore_errors=True)
     for r in rows:
         ref = next((x for x in rows if x["system"] == "fio" and x["page_size"] == r["page_size"]
@@ -278,8 +290,7 @@ def main() -> int:
               f"{f('missing', '{:d}'):>9}")
     for s, why in unavailable.items():
         print(f"{s}: not measured: {why}")
-    write_record(a.json, {"size": total, "rows": rows,
-                                            "unavailable": unavailable}, a)
+    write_record(a.json, {"size": total, "target": a.target, "rows": rows, "unavailable": unavailable}, a)
     bad = sum(r.get("wrong", 0) for r in rows)
     return 1 if bad else 0
 
