@@ -34,7 +34,8 @@ SIZE = re.compile(r"KV cache size: ([\d,]+) tokens")
 def run(home: Path, model: Path, *args: str) -> dict[str, Any]:
     prompts = home / "prompts.json"
     prompts.write_text(json.dumps([list(range(3, 603))]))
-    env = {**os.environ, "MASS_HOME": str(home), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2",
+    # (TMPDIR: vLLM leaves its IPC sockets and rendezvous files there; the run's directory goes at the end)
+    env = {**os.environ, "MASS_HOME": str(home), "TMPDIR": str(home), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run([sys.executable, "-m", "kvstore.engines.vllm_run", "--model", str(model), "--prompts",
                         str(prompts), "--in-process", *args], env=env, capture_output=True, text=True, timeout=600)

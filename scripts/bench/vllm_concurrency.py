@@ -174,7 +174,8 @@ def main() -> int:
         svcs = [ServiceProcess(tmp, "bench", s).start() for s in ("a", "b")]
         pf = tmp / "plan.json"
         pf.write_text(json.dumps(plan))
-        env = {**os.environ, "MASS_HOME": str(tmp), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+        # (TMPDIR: vLLM leaves its IPC sockets and rendezvous files there; the run's directory goes at the end)
+        env = {**os.environ, "MASS_HOME": str(tmp), "TMPDIR": str(tmp), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
         results = {}
         for role in ("save", "serve"):

@@ -99,7 +99,8 @@ def main() -> int:
         model = make_tiny_llama(tmp / "model", layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                                 head_dim=a.head_dim, intermediate=4 * a.hidden)
         svcs = [ServiceProcess(tmp, "bench", s).start() for s in ("a", "b")]
-        env = {**os.environ, "MASS_HOME": str(tmp), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+        # (TMPDIR: vLLM leaves its IPC sockets and rendezvous files there; the run's directory goes at the end)
+        env = {**os.environ, "MASS_HOME": str(tmp), "TMPDIR": str(tmp), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
         ports = {}
         for server, role in (("a", "kv_producer"), ("b", "kv_consumer")):

@@ -74,7 +74,8 @@ def run_child(home: Path, model: Path, server: str, plan: list[dict[str, Any]], 
               tag: str) -> list[dict[str, Any]]:
     pf = home / f"plan-{tag}.json"
     pf.write_text(json.dumps(plan))
-    env = {**os.environ, "MASS_HOME": str(home), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+    # (TMPDIR: vLLM leaves its IPC sockets and rendezvous files there; the run's directory goes at the end)
+    env = {**os.environ, "MASS_HOME": str(home), "TMPDIR": str(home), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
         "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
     r = subprocess.run([sys.executable, __file__, "--child", "--model", str(model), "--plan", str(pf), "--server", server,
                         "--page-tokens", str(a.page_tokens), "--step", str(a.step)]
