@@ -8,7 +8,8 @@ For each object size (``--sizes-kb``, default 256 and 2048) and ``--rounds`` tim
 over four adapters, each on a fresh file under ``--dir`` (one file system for all), with L1 buffers
 4096-aligned for all (``--l1-align-bytes 4096``, which LMCache asks for with O_DIRECT backends):
 
-* ``kvstore``: kvstore's plugin adapter, a fresh store whose page size is the object size;
+* ``kvstore``: kvstore's plugin adapter, a fresh store whose page size is the object size
+  (``--client-buffers``: its page buffers per connection);
 * ``fs_native_odirect``: LMCache's C++ file adapter with ``use_odirect: true``;
 * ``raw_block``: LMCache's raw-block adapter on a pre-sized file (O_DIRECT, its default);
 * ``fs``: LMCache's Python file adapter (through the page cache: its loads come from memory).
@@ -33,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from kvstore.config import ServiceConfig
 from kvstore.testing import ServiceProcess, make_store, script_args, write_record
 
 LMCACHE = ROOT / ".venv-lmcache" / "bin" / "lmcache"
@@ -69,6 +71,9 @@ def sparse(path: Path, size: int) -> Path:
     return path
 
 
+CLIENT_BUFFERS = 64  # kvstore's lease per connection (service.client_buffers): --client-buffers
+
+
 def one(adapter: str, work: Path, size_kb: int, r: int) -> dict[str, float]:
     """One bench run of ``adapter`` on fresh files under ``work``."""
     obj = size_kb << 10
@@ -76,7 +81,8 @@ def one(adapter: str, work: Path, size_kb: int, r: int) -> dict[str, float]:
     home = work / f"mass-{size_kb}-{r}"
     if adapter == "kvstore":
         dev = sparse(work / "kv.img", (1 << 20) + objects * 5 // 4 * (4096 + obj))
-        make_store(home, "lb", [str(dev)], obj, force=True)
+        make_store(home, "lb", [str(dev)], obj, force=True, service=ServiceConfig(client_buffers=CLIENT_BUFFERS,
+                                                                                    max_clients=min(16, 1024 // CLIENT_BUFFERS)))
         with ServiceProcess(home, "lb"):
             return bench({"type": "plugin", "module_path": "kvstore.engines.lmcache", "class_name": "KVStoreL2Adapter",
                           "adapter_params": {"store": "lb", "mass_home": str(home)}}, work / "out.json", home, size_kb)
@@ -101,7 +107,11 @@ def main() -> None:
     ap.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=ADAPTERS)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the device files and directories go")
     ap.add_argument("--qd1", action="store_true", help="one object in flight, one key, 20 rounds: latencies")
+    ap.add_argument("--client-buffers", type=int, default=64,
+                    help="kvstore's page buffers per connection (service.client_buffers; its default: 64)")
     a = ap.parse_args()
+    global CLIENT_BUFFERS
+    CLIENT_BUFFERS = a.client_buffers
     if a.qd1:
         SHAPE.update(keys=1, in_flight=1, rounds=20)
     if not LMCACHE.exists():
