@@ -116,18 +116,36 @@ def object_layout(obj: Any) -> Layout:
     return int(obj.get_size()), _layout(shapes, dtypes)[1]
 
 
-def page_keys(key: Any, layout: Layout, page_size: int, tail: bytes | None = None) -> list[bytes]:
+def page_keys(key: Any, layout: Layout, page_size: int) -> list[bytes]:
     """The kvstore page keys of LMCache object ``key`` of ``layout``: the layout (size, shapes,
     dtypes) is part of them, so an object of another layout never matches. The key's msgpack
-    array is ``[model, rank, group, salt, chunk hash, size, layout]``; ``tail`` is
-    ``layout_tail(layout)``, for callers that make the keys of many objects of one layout."""
-    size = layout[0]
-    head = msgpack.packb([key.model_name, int(key.kv_rank), int(key.object_group_id), key.cache_salt,
-                          bytes(key.chunk_hash)])
-    # the 7-element array's header, then the five fields packed above (without their own
-    # 5-element header), then size and layout: byte for byte what packing all seven gives
-    base = NAMESPACE + b"\x97" + head[1:] + (layout_tail(layout) if tail is None else tail)
-    return [base + i.to_bytes(4, "little") for i in range(max(1, -(-size // page_size)))]
+    array is ``[model, rank, group, salt, chunk hash, size, layout]``, then the page index."""
+    return page_keys_many([key], [layout], page_size)[0]
+
+
+def page_keys_many(keys: Sequence[Any], layouts: Sequence[Layout | None], page_size: int) -> list[list[bytes]]:
+    """``page_keys`` of many objects (no keys for a layout of None). A run of objects of one
+    layout (the same tuple, as a lookup's are) packs its tail and page indices once, and one
+    msgpack packer serves them all: a 32-key lookup spent most of its time making keys."""
+    pack = msgpack.Packer().pack  # (what msgpack.packb makes anew for every call)
+    out: list[list[bytes]] = []
+    last: Layout | None = None
+    tail = b""
+    pages: list[bytes] = []
+    for key, lay in zip(keys, layouts):
+        if lay is None:
+            out.append([])
+            continue
+        if lay is not last:
+            last, tail = lay, layout_tail(lay)
+            pages = [i.to_bytes(4, "little") for i in range(max(1, -(-lay[0] // page_size)))]
+        head = pack([key.model_name, int(key.kv_rank), int(key.object_group_id), key.cache_salt,
+                     bytes(key.chunk_hash)])
+        # the 7-element array's header, then the five fields packed above (without their own
+        # 5-element header), then size and layout: byte for byte what packing all seven gives
+        base = NAMESPACE + b"\x97" + head[1:] + tail
+        out.append([base + p for p in pages])
+    return out
 
 
 def layout_tail(layout: Layout) -> bytes:
@@ -476,17 +494,18 @@ class KVStoreL2Adapter(L2AdapterInterface):
         """(Holding ``_lk``.) Never waits for the service longer than ``LOOKUP_WAIT_S``."""
         timeout = LOOKUP_WAIT_S
         found = Bitmap(len(keys))
-        tails: dict[Layout, bytes] = {}
-        per = [page_keys(k, lay, self.page_size, tails.get(lay) or tails.setdefault(lay, layout_tail(lay)))
-               if lay else [] for k, lay in zip(keys, layouts)]
+        per = page_keys_many(keys, layouts, self.page_size)
         flat = [pk for ks in per for pk in ks]
-        have = iter(c.contains(flat, timeout=timeout)) if flat else iter(())
+        have = c.contains(flat, timeout=timeout) if flat else []
         hits: list[tuple[Any, list[bytes]]] = []
         to_pin: list[bytes] = []
-        with self._lock:
-            locked = set(self._locks)
+        with self._lock:  # (this call's keys only: an engine may hold many locks meanwhile)
+            locked = {k for k in keys if k in self._locks}
+        at = 0
         for i, (k, ks) in enumerate(zip(keys, per)):
-            if not (ks and all([next(have) for _ in ks])):
+            n = len(ks)
+            at += n
+            if not (n and all(have[at - n:at])):
                 continue
             found.set(i)
             if k not in locked:  # (a key twice in one call is pinned once)
@@ -507,7 +526,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             for k, ks in hits:
                 n, held = self._locks.get(k, (0, ks if pinned else []))
                 self._locks[k] = (n + 1, held)
-        self._count(lookup_objects=len(keys), lookup_hits=sum(1 for i in range(len(keys)) if found.test(i)))
+        self._count(lookup_objects=len(keys), lookup_hits=len(hits))
         return found
 
     def query_lookup_and_lock_result(self, task_id: int) -> Any:
@@ -734,4 +753,4 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 "store_queue": self._writer.tasks.qsize(), "read_queue": self._reader.tasks.qsize(), **stats}
 
 
-__all__ = ["KVStoreL2Adapter", "desc_layout", "layout_tail", "object_layout", "page_keys"]
+__all__ = ["KVStoreL2Adapter", "desc_layout", "layout_tail", "object_layout", "page_keys", "page_keys_many"]

@@ -10,7 +10,9 @@ each with what was stored under *that* key. ``--in-flight`` load tasks are submi
 any is waited for (an adapter may read them as one stream), and each also asks for a key that
 was never stored, which must be its only miss: a task's answer is about its own keys. The
 second task of each wave also asks, last, for a stored key into a read-only buffer: that
-object must fail alone (its task's other objects, and the other tasks, load).
+object must fail alone (its task's other objects, and the other tasks, load). Before its
+load, each task's keys are looked up and locked, and the answer must be exactly the keys
+stored (all but the absent one); they are unlocked after the load.
 
     python lmcache_verify_keys.py ADAPTER_JSON --keys 64 --rounds 3 --size-kb 100 [--in-flight 4] [--wrong-key]
 
@@ -18,7 +20,8 @@ object must fail alone (its task's other objects, and the other tasks, load).
 key must then count as mismatched or missed, which shows the check can fail. Prints one
 JSON line: stored, loaded, verified, mismatched, missed, absent keys asked for and found (a
 key never stored, reported loaded), read-only objects asked for and reported loaded, and the
-adapter's numeric status.
+adapter's numeric status, and lookup answers that were wrong (a key found that was never
+stored, or one stored not found).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import torch
 from lmcache.cli.commands.bench.l2_adapter_bench.data import (create_l1_memory_desc, make_aligned_tensor,
                                                               make_memory_objects, make_object_keys, wait_eventfd)
+from lmcache.cli.commands.bench.l2_adapter_bench.runner import _PLACEHOLDER_LAYOUT_DESC
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
@@ -86,10 +90,11 @@ def main() -> int:
                 keys += ks
         order = list(range(len(keys)))
         random.Random(99).shuffle(order)
-        verified = mismatched = missed = absent = absent_found = readonly = readonly_found = 0
+        verified = mismatched = missed = absent = absent_found = readonly = readonly_found = lookup_wrong = 0
         starts = list(range(0, len(order), BATCH))
         for w in range(0, len(starts), a.in_flight):  # a wave of load tasks in flight at once
             wave = []
+            locked: list[list[object]] = []
             for q, start in enumerate(starts[w:w + a.in_flight]):
                 idx = order[start:start + BATCH]
                 ks = [keys[i] for i in idx]
@@ -102,7 +107,18 @@ def main() -> int:
                 if ro:  # a stored key, into a buffer that cannot take it
                     asked.append(asked[0] if hole else asked[1])
                     objs.append(ReadOnly(objs[0]))
+                # looked up and locked first (LMCache's order), with the layout it learnt from the
+                # stores (the placeholder describes none): every key found but the absent one
+                lk = adapter.submit_lookup_and_lock_task(asked, {0: _PLACEHOLDER_LAYOUT_DESC})
+                found = None
+                while found is None:
+                    if not wait_eventfd(adapter.get_lookup_and_lock_event_fd(), TIMEOUT_S):
+                        print(json.dumps({"error": "lookup timed out"}))
+                        return 1
+                    found = adapter.query_lookup_and_lock_result(lk)
+                lookup_wrong += sum(bool(found.test(j)) != (j != hole) for j in range(len(asked)))
                 wave.append((adapter.submit_load_task(asked, objs), ks, objs, hole, ro))
+                locked.append(asked)
             answers: dict[int, object] = {}
             while len(answers) < len(wave):
                 if not wait_eventfd(adapter.get_load_event_fd(), TIMEOUT_S):
@@ -113,6 +129,8 @@ def main() -> int:
                         got = adapter.query_load_result(task)
                         if got is not None:
                             answers[task] = got
+            for asked in locked:
+                adapter.submit_unlock(asked)
             for task, ks, objs, hole, ro in wave:
                 bitmap = answers[task]
                 absent += 1
@@ -132,7 +150,7 @@ def main() -> int:
         status = adapter.report_status()  # LMCache's status API (`lmcache server`'s /info shows it)
         print(json.dumps({"stored": len(stored), "loaded": len(keys), "verified": verified,
                           "mismatched": mismatched, "missed": missed, "absent": absent, "absent_found": absent_found,
-                          "readonly": readonly, "readonly_found": readonly_found,
+                          "readonly": readonly, "readonly_found": readonly_found, "lookup_wrong": lookup_wrong,
                           "status": {k: v for k, v in status.items() if isinstance(v, (int, float))}}))
         return 0
     finally:

@@ -77,7 +77,8 @@ def test_every_key_loads_its_own_bytes_in_lmcaches_adapter_machinery(home: Path,
     per key: 3 rounds of 40 keys of 100 KB (two pages each), loaded in random order, each compared
     with its own key's bytes; four load tasks in flight at once (the adapter reads queued tasks as
     one stream), each asking also for a key never stored, which must be its only miss, and one
-    task a wave asking also for a stored key into a read-only buffer, which must fail alone. A
+    task a wave asking also for a stored key into a read-only buffer, which must fail alone; each
+    task's keys looked up and locked first, found exactly where stored. A
     deliberately wrong adapter (each load asks for another key) fails it."""
     devs = file_devices.make(1, (1 << 20) + 600 * (4096 + (64 << 10)))
     make_store(home, "lm", devs, 64 << 10)
@@ -95,9 +96,11 @@ def test_every_key_loads_its_own_bytes_in_lmcaches_adapter_machinery(home: Path,
     # 120 keys in load tasks of 16 (the last of 8): 8 tasks, each with one absent key, in 2 waves
     # of 4, each with one read-only object
     assert res["right"] == {"stored": 120, "loaded": 120, "verified": 120, "mismatched": 0, "missed": 0,
-                            "absent": 8, "absent_found": 0, "readonly": 2, "readonly_found": 0}, res
+                            "absent": 8, "absent_found": 0, "readonly": 2, "readonly_found": 0,
+                            "lookup_wrong": 0}, res
     assert res["wrong"]["verified"] == 0 and res["wrong"]["mismatched"] + res["wrong"]["missed"] == 120, res
     assert res["wrong"]["absent_found"] == 0 and res["wrong"]["readonly_found"] == 0, res
+    assert res["wrong"]["lookup_wrong"] == 0, res
     # the adapter's counters in LMCache's status API: objects and bytes stored and loaded, failures
     st = status["right"]
     assert (st["stored_objects"], st["stored_bytes"], st["store_failed_objects"]) == (120, 120 * 100 * 1024, 0), st
