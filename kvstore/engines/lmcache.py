@@ -285,46 +285,59 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # ---- store -----------------------------------------------------------------------------
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
+        return self._enqueue("store", keys, objects)
+
+    def _enqueue(self, kind: str, keys: list[Any], objects: list[Any]) -> int:
+        """A store or load task: queued, then a token on its lane that takes whatever is queued
+        of its kind by then as one group (``_store_queued``, ``_load_queued``)."""
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         for k, o in zip(keys, objects):
             self._layouts[int(k.object_group_id)] = object_layout(o)
         task_id = next(self._ids)
+        store = kind == "store"
+        queued = self._queued_stores if store else self._queued_loads
         with self._lock:
-            self._queued_stores.append((task_id, keys, objects))
-
-        def task(client: Callable[[], KVCacheClient]) -> None:
-            self._store_queued(client)
-
+            queued.append((task_id, keys, objects))
         try:
-            self._writer.tasks.put_nowait(task)
+            (self._writer if store else self._reader).tasks.put_nowait(
+                self._store_queued if store else self._load_queued)
         except queue.Full:
-            log.warning("kvstore L2 adapter: %d tasks queued; failing a store task", QUEUE_DEPTH)
+            log.warning("kvstore L2 adapter: %d tasks queued; failing a %s task", QUEUE_DEPTH, kind)
             with self._lock:  # (taken back if no lane task got to it yet)
-                mine = [t for t in self._queued_stores if t[0] == task_id]
+                mine = [t for t in queued if t[0] == task_id]
                 for t in mine:
-                    self._queued_stores.remove(t)
+                    queued.remove(t)
             if mine:
-                self._fail_store(task_id, len(keys))
+                self._fail(kind, task_id, len(keys))
         return task_id
 
-    def _fail_store(self, task_id: int, objects: int) -> None:
-        """Complete store task ``task_id`` as failed (all its ``objects``)."""
-        self._count_failed("store", objects)
-        self._done("store", self._stores, task_id, L2StoreResult(False, 0))
+    def _fail(self, kind: str, task_id: int, objects: int) -> None:
+        """Complete store or load task ``task_id`` as failed (all its ``objects``)."""
+        self._count_failed(kind, objects)
+        if kind == "store":
+            self._done("store", self._stores, task_id, L2StoreResult(False, 0))
+        else:
+            self._done("load", self._loads, task_id, Bitmap(objects))
+
+    def _take_group(self, queued: collections.deque[tuple[int, list[Any], list[Any]]],
+                    pages_max: int) -> list[tuple[int, list[Any], list[Any]]]:
+        """The tasks queued by now, up to ``pages_max`` pages (the first in any case)."""
+        group: list[tuple[int, list[Any], list[Any]]] = []
+        pages = 0
+        with self._lock:
+            while queued and (not group or pages < pages_max):
+                t = queued.popleft()
+                group.append(t)
+                pages += self._pages_in(t[2])
+        return group
 
     def _store_queued(self, client: Callable[[], KVCacheClient]) -> None:
         """(On the store lane.) The store tasks queued by now, as one put (their pages stream to
         the devices with no pause between tasks, where a put per task drained the device queue
         at each task's end), up to ``STORE_GROUP_PAGES`` pages; each task completes with its
         own pages' outcome. The lane's later tokens find nothing left and return."""
-        group: list[tuple[int, list[Any], list[Any]]] = []
-        pages = 0
-        with self._lock:
-            while self._queued_stores and (not group or pages < STORE_GROUP_PAGES):
-                t = self._queued_stores.popleft()
-                group.append(t)
-                pages += self._pages_in(t[2])
+        group = self._take_group(self._queued_stores, STORE_GROUP_PAGES)
         if not group:
             return
         try:
@@ -332,7 +345,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             results = self._store(c, [t[1] for t in group], [t[2] for t in group])
         except Exception:
             for task_id, keys, _objects in group:
-                self._fail_store(task_id, len(keys))
+                self._fail("store", task_id, len(keys))
             raise
         for (task_id, _keys, _objects), r in zip(group, results):
             self._done("store", self._stores, task_id, r)
@@ -579,33 +592,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # ---- load ------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
-        if len(keys) != len(objects):
-            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-        for k, o in zip(keys, objects):
-            self._layouts[int(k.object_group_id)] = object_layout(o)
-        task_id = next(self._ids)
-        with self._lock:
-            self._queued_loads.append((task_id, keys, objects))
-
-        def task(client: Callable[[], KVCacheClient]) -> None:
-            self._load_queued(client)
-
-        try:
-            self._reader.tasks.put_nowait(task)
-        except queue.Full:
-            log.warning("kvstore L2 adapter: %d tasks queued; failing a load task", QUEUE_DEPTH)
-            with self._lock:  # (taken back if no lane task got to it yet)
-                mine = [t for t in self._queued_loads if t[0] == task_id]
-                for t in mine:
-                    self._queued_loads.remove(t)
-            if mine:
-                self._fail_load(task_id, len(keys))
-        return task_id
-
-    def _fail_load(self, task_id: int, objects: int) -> None:
-        """Complete load task ``task_id`` as failed (all its ``objects``)."""
-        self._count_failed("load", objects)
-        self._done("load", self._loads, task_id, Bitmap(objects))
+        return self._enqueue("load", keys, objects)
 
     def _load_queued(self, client: Callable[[], KVCacheClient]) -> None:
         """(On the read lane.) The load tasks queued by now, read as one pipelined stream (a
@@ -613,13 +600,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         were copied), up to ``LOAD_GROUP_PAGES`` pages; each task completes as soon as its own
         pages are in, before the pages of the tasks behind it are copied. The lane's later
         tokens find nothing left and return."""
-        group: list[tuple[int, list[Any], list[Any]]] = []
-        pages = 0
-        with self._lock:
-            while self._queued_loads and (not group or pages < LOAD_GROUP_PAGES):
-                t = self._queued_loads.popleft()
-                group.append(t)
-                pages += self._pages_in(t[2])
+        group = self._take_group(self._queued_loads, LOAD_GROUP_PAGES)
         if not group:
             return
         done = 0  # tasks of the group completed
@@ -629,7 +610,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 done += 1
         except Exception:
             for task_id, keys, _objects in group[done:]:
-                self._fail_load(task_id, len(keys))
+                self._fail("load", task_id, len(keys))
             raise
 
     def _load(self, c: KVCacheClient, tasks_keys: Sequence[Sequence[Any]],
