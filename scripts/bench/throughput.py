@@ -59,7 +59,7 @@ from kvstore.testing import ServiceProcess, make_store, script_args, write_recor
 
 
 def fio(dev: str, rw: str, bs: int, qd: int, size: int, offset: int, runtime: float | None = None,
-        verify: str = "") -> dict:
+        verify: str = "") -> dict[str, Any]:
     """One fio job; ``verify``: "write" writes blocks with xxhash verification headers,
     "read" reads them back (in the same random order) and checks every block."""
     cmd = ["fio", "--name=b", f"--filename={dev}", "--ioengine=libaio", "--direct=1", f"--rw={rw}",
@@ -99,14 +99,14 @@ def make_target(kind: str, nbytes: int, workdir: Path) -> tuple[str, list[str]]:
     return kind, []
 
 
-def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: int) -> dict:
+def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: int) -> dict[str, Any]:
     slot = 4096 + page_size
     n = size // page_size
     nbytes = (2 << 20) + (n + 64) * slot
     work = Path(tempfile.mkdtemp(prefix="kvbench-", dir=os.environ.get("KVBENCH_DIR", "/var/tmp")))
     dev, cleanup = make_target(kind, nbytes, work)
     wcfg = WorkerConfig()
-    res: dict = {"target": kind, "device": dev, "page_size": page_size, "pages": n}
+    res: dict[str, Any] = {"target": kind, "device": dev, "page_size": page_size, "pages": n}
     try:
         data_off = 1 << 20
         span = n * slot
@@ -117,7 +117,7 @@ def run_target(kind: str, page_size: int, size: int, lat_samples: int, repeat: i
         home.mkdir()
         make_store(home, "bench", [dev], page_size, service=ServiceConfig(client_buffers=64, max_clients=2),
                    worker=wcfg, force=True)
-        runs: dict[str, list[dict]] = {k: [] for k in ("fio_write", "fio_randread", "fio_randread_qd1",
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("fio_write", "fio_randread", "fio_randread_qd1",
                                                        "fio_randread_verify", "kvstore_put", "kvstore_put_wait32",
                                                        "kvstore_get", "kvstore_get_sync32", "kvstore_get_qd1",
                                                        "fio_randwrite_qd1", "kvstore_put_qd1", "kvstore_put_async32")}
