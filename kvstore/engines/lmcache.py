@@ -547,31 +547,35 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return self._lookups.pop(task_id, None)
 
     def submit_unlock(self, keys: list[Any]) -> None:
-        release: list[bytes] = []
-        with self._lock:
-            for k in keys:
-                if k not in self._locks:
-                    continue
-                n, pinned = self._locks[k]
-                if n <= 1:
-                    del self._locks[k]
-                    release += pinned
-                else:
-                    self._locks[k] = (n - 1, pinned)
-        if release:
-            self._unpin(release)
+        # under the lookups' lock, as a lookup runs from its look at the locks held to its count:
+        # an unlock releasing an object between the two made the lookup count a lock it did not
+        # pin again, its pages unpinned (found by an outside review; a miss later, never bytes)
+        with self._lk:
+            release: list[bytes] = []
+            with self._lock:
+                for k in keys:
+                    if k not in self._locks:
+                        continue
+                    n, pinned = self._locks[k]
+                    if n <= 1:
+                        del self._locks[k]
+                        release += pinned
+                    else:
+                        self._locks[k] = (n - 1, pinned)
+            if release:
+                self._unpin(release)
 
     def _unpin(self, pkeys: list[bytes]) -> None:
-        """Posted on the lookups' connection, after the pins it undoes (its requests are taken in
-        order: an unpin on another connection could overtake them and leave them pinned for
-        good), without waiting. Never blocks the caller: while that connection is not open or
-        the service does not take requests, the unpins wait in ``_owed_unpins``, posted first
-        by the next lookup or unlock on the connection (or by ``close``). If the service went
-        away, its pins went with it (a restart starts with none)."""
-        with self._lk:
-            self._owed_unpins.extend(pkeys)
-            if self._lk_client is not None:
-                self._flush_unpins(self._lk_client)
+        """(Holding ``_lk``.) Posted on the lookups' connection, after the pins it undoes (its
+        requests are taken in order: an unpin on another connection could overtake them and
+        leave them pinned for good), without waiting. Never waits for the service longer than
+        ``LOOKUP_WAIT_S``: while that connection is not open or the service does not take
+        requests, the unpins wait in ``_owed_unpins``, posted first by the next lookup or unlock
+        on the connection (or by ``close``). If the service went away, its pins went with it (a
+        restart starts with none)."""
+        self._owed_unpins.extend(pkeys)
+        if self._lk_client is not None:
+            self._flush_unpins(self._lk_client)
 
     def _flush_unpins(self, c: KVCacheClient) -> None:
         """(Holding ``_lk``.) Post the unpins owed on ``c`` (kept for later if the service does not

@@ -5,7 +5,8 @@ and event fds, as LMCache's controllers do: stores 8 "locked" and 8 "free" one-p
 objects, locks the first 8 (``submit_lookup_and_lock_task``), twice for one of them,
 then floods the store with other pages through a plain kvstore client until the area
 has turned over several times. Prints one JSON line: lookup bitmaps, pinned pages
-during and after the locks, and which objects still load byte-exact.
+during and after the locks, which objects still load byte-exact, and what an unlock raced
+into a lookup of the same object left (``race``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import select
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +49,55 @@ def pinned(home: str, store: str) -> int:
     time.sleep(1.5)
     t = read_service(Path(home), store, "local")["tenants"]
     return int(sum(x["pinned"] for x in t.values()))
+
+
+def lookup(ad: KVStoreL2Adapter, keys: list[ObjectKey], layout: dict[int, object]) -> int:
+    """Look up and lock ``keys``; how many were found."""
+    t = ad.submit_lookup_and_lock_task(keys, layout)
+    r = ad.query_lookup_and_lock_result(t)
+    while r is None:
+        wait(ad.get_lookup_and_lock_event_fd())
+        r = ad.query_lookup_and_lock_result(t)
+    return int(r.popcount())
+
+
+def race(ad: KVStoreL2Adapter, k: ObjectKey, k2: ObjectKey, layout: dict[int, object],
+         a: argparse.Namespace) -> dict[str, object]:
+    """Object ``k`` locked once; then, while a lookup of ``k`` and ``k2`` runs, an unlock of
+    ``k`` on another thread (started from inside the lookup's pin: after the lookup looked at
+    the locks held, before it counted its own). ``k`` must stay locked once with its page
+    pinned, and ``k2`` be locked and pinned: the service is sent one pin, no unpin."""
+    lookup(ad, [k], layout)
+    real = ad._lk_client
+    sent: list[list[object]] = []
+    racers: list[threading.Thread] = []
+
+    class Spy:  # the lookups' connection, recording what it is sent
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def pin(self, pkeys: list[bytes], **kw: object) -> object:
+            th = threading.Thread(target=ad.submit_unlock, args=([k],))
+            th.start()
+            racers.append(th)
+            th.join(0.5)  # the unlock goes as far as it can now
+            sent.append(["pin", len(pkeys)])
+            return real.pin(pkeys, **kw)  # type: ignore[union-attr]
+
+        def unpin(self, pkeys: list[bytes], **kw: object) -> object:
+            sent.append(["unpin", len(pkeys)])
+            return real.unpin(pkeys, **kw)  # type: ignore[union-attr]
+
+    ad._lk_client = Spy()  # type: ignore[assignment]
+    found = lookup(ad, [k, k2], layout)
+    for th in racers:
+        th.join(30)
+    ad._lk_client = real
+    out = {"found": found, "sent": sent, "locks": [ad._locks.get(x, (0, []))[0] for x in (k, k2)],
+           "pinned": pinned(a.home, a.store)}
+    ad.submit_unlock([k, k2])
+    out["pinned_after"] = pinned(a.home, a.store)
+    return out
 
 
 def main() -> None:
@@ -96,6 +147,7 @@ def main() -> None:
     out["pinned_after_one_unlock"] = pinned(a.home, a.store)  # object 0 is still locked once
     ad.submit_unlock(keys[:1])
     out["pinned_after_unlock"] = pinned(a.home, a.store)
+    out["race"] = race(ad, keys[0], keys[1], layout, a)
     # the service goes away: tasks complete as failed (LMCache recomputes), none hangs
     pid = int((Path(a.home) / "run" / a.store / "local.pid").read_text())
     os.kill(pid, signal.SIGTERM)

@@ -184,7 +184,8 @@ def test_lmcache_server_loads_back_from_kvstore_after_its_l1_is_cleared(home: Pa
 def test_locked_objects_survive_an_area_turned_over_and_unlock_releases_them(home: Path, file_devices: Any,
                                                                             services: Any) -> None:
     """LMCache's lookup-and-lock pins: 8 locked objects load back after 400 other pages went through a
-    64-slot area; the 8 unlocked ones stored beside them do not; nested locks release at the last unlock.
+    64-slot area; the 8 unlocked ones stored beside them do not; nested locks release at the last unlock;
+    an unlock raced into a lookup of the same object leaves it locked and pinned.
     Then the service stops under the adapter: its next tasks complete as failed, none hangs."""
     devs = file_devices.make(1, (1 << 20) + 64 * (4096 + (64 << 10)))
     make_store(home, "lk", devs, 64 << 10)
@@ -199,6 +200,9 @@ def test_locked_objects_survive_an_area_turned_over_and_unlock_releases_them(hom
     assert out["loaded_locked"] == 8  # pinned: never retired, byte-exact
     assert out["loaded_free"] == 0  # the area turned over several times: unpinned pages were reused
     assert out["pinned_after_one_unlock"] == 1 and out["pinned_after_unlock"] == 0
+    # an unlock on another thread raced into a lookup of the same object (an outside review's
+    # race): the object stays locked once and pinned, no unpin is sent for it
+    assert out["race"] == {"found": 2, "sent": [["pin", 1]], "locks": [1, 1], "pinned": 2, "pinned_after": 0}, out
     # with the service gone, a store and a load complete as failed at once (LMCache recomputes)
     gone = out["after_service_gone"]
     assert gone["store_ok"] is False and gone["loaded"] == 0 and gone["seconds"] < 10
