@@ -1174,9 +1174,6 @@ class AsyncLoader(_TransferThread):
 
     merge_pages = 1024  # a step's loads (one transfer per request and group) read as one stream
 
-    def _do(self, t: PageTransfer) -> set[int]:
-        return self.worker.load(t)
-
     def _do_many(self, ts: list[PageTransfer]) -> Generator[set[int], None, None]:
         return self.worker.load_many(ts)
 
