@@ -16,7 +16,7 @@ over four adapters, each on a fresh file under ``--dir`` (one file system for al
 
 Reports the median store and load throughput of each and kvstore's ratio to each, and the
 median of the harness's own p50 lookup-and-lock round (4 tasks of 32 keys in flight). With
-``--qd1`` each run is one object in flight, one key, 20 rounds instead: the p50 store, load
+``--qd1`` each run is one object in flight, one key, 20 rounds (``--qd1-rounds``) instead: the p50 store, load
 and lookup round of a single object (queue depth 1). What
 ``--no-skip-verify`` checks is weak (the last round only, one byte pattern per key index):
 correctness is shown by tests/engines/lmcache_verify_keys.py, not by this benchmark.
@@ -107,13 +107,18 @@ def main() -> None:
     ap.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=ADAPTERS)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the device files and directories go")
     ap.add_argument("--qd1", action="store_true", help="one object in flight, one key, 20 rounds: latencies")
+    ap.add_argument("--qd1-rounds", type=int, default=20,
+                    help="rounds of a --qd1 run (the first few carry each process's warm-up: 300 shows the "
+                         "steady state)")
     ap.add_argument("--client-buffers", type=int, default=64,
                     help="kvstore's page buffers per connection (service.client_buffers; its default: 64)")
     a = ap.parse_args()
     global CLIENT_BUFFERS
     CLIENT_BUFFERS = a.client_buffers
     if a.qd1:
-        SHAPE.update(keys=1, in_flight=1, rounds=20)
+        if a.qd1_rounds < 1:
+            raise SystemExit(f"--qd1-rounds must be at least 1, got {a.qd1_rounds}")
+        SHAPE.update(keys=1, in_flight=1, rounds=a.qd1_rounds)
     if not LMCACHE.exists():
         raise SystemExit(f"{LMCACHE} missing: run scripts/setup")
     if "raw_block" in a.adapters and subprocess.run([str(LMCACHE.parent / "python"), "-c",
