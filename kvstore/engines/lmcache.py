@@ -409,8 +409,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         ps = self.page_size
         pkeys: list[bytes] = []
         pages: list[Any] = []
-        for key, obj in zip(keys, objects):
-            layout = object_layout(obj)
+        layouts = [object_layout(o) for o in objects]
+        for obj, layout, obj_keys in zip(objects, layouts, page_keys_many(keys, layouts, ps)):
             size = layout[0]
             if size not in self._advised:  # once per object size: what the store's page size costs it
                 self._advised.add(size)
@@ -418,7 +418,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 if tip:
                     log.warning("kvstore L2 adapter: %s", tip)
             data = memoryview(obj.byte_array).cast("B")[:size]
-            for i, pk in enumerate(page_keys(key, layout, ps)):
+            for i, pk in enumerate(obj_keys):
                 piece = data[i * ps:(i + 1) * ps]
                 if len(piece) < ps:  # the object's last page: padded (its size is in the key)
                     padded = bytearray(ps)
@@ -632,11 +632,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             td: list[tuple[memoryview, int]] = []
             tw: list[tuple[int, int, int, bytes]] = []
             try:
-                for i, (key, obj) in enumerate(zip(keys, objects)):
-                    layout = object_layout(obj)
-                    size = layout[0]
-                    td.append((memoryview(obj.byte_array).cast("B")[:size], size))
-                    tw += [(t, i, p, k) for p, k in enumerate(page_keys(key, layout, ps))]
+                layouts = [object_layout(o) for o in objects]
+                td = [(memoryview(o.byte_array).cast("B")[:lay[0]], lay[0]) for o, lay in zip(objects, layouts)]
+                tw = [(t, i, p, k) for i, ks in enumerate(page_keys_many(keys, layouts, ps)) for p, k in enumerate(ks)]
             except Exception:  # a task whose objects cannot be read fails alone, reading nothing
                 log.exception("kvstore L2 adapter: a load task's objects could not be read")
                 td, tw = [], []
