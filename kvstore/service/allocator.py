@@ -54,6 +54,15 @@ class FreeSlots:
         self.n -= 1
         return g
 
+    def pop_many(self, k: int) -> np.ndarray[Any, Any]:
+        """The ``min(k, len(self))`` oldest free slots, in order."""
+        k = min(k, self.n)
+        idx = (self.head + np.arange(k)) % len(self.buf)
+        out: np.ndarray[Any, Any] = self.buf[idx]  # fancy indexing: a copy
+        self.head = (self.head + k) % len(self.buf)
+        self.n -= k
+        return out
+
     def append(self, gid: int) -> None:
         """Return a slot (never more than the capacity: each slot is in at most one place)."""
         self.buf[(self.head + self.n) % len(self.buf)] = gid
@@ -77,6 +86,13 @@ class Generations:
         """A generation greater than every one returned or observed before."""
         self.last = max(self.last + 1, self._clock() // 1000)
         return self.last
+
+    def next_many(self, k: int) -> np.ndarray[Any, Any]:
+        """``k`` generations, increasing, each greater than every one returned before (as ``k``
+        calls of ``next`` one after the other would give)."""
+        first = max(self.last + 1, self._clock() // 1000)
+        self.last = first + k - 1 if k else self.last
+        return np.arange(first, first + k, dtype=np.uint64)
 
     def observe(self, gen: int) -> None:
         """Account for a generation found on the device."""
@@ -107,13 +123,14 @@ class Allocator:
 
     def __init__(self, slots: np.ndarray[Any, Any], own: Sequence[range], gens: Sequence[Generations],
                  grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 on_retire: Callable[[int], None] | None = None, ref: np.ndarray[Any, Any] | None = None,
-                 reading: Callable[[int], bool] | None = None) -> None:
-        """``own[d]`` is the gid range of this server's area on device ``d``; ``on_retire(gid)``
+                 on_retire: Callable[[np.ndarray[Any, Any]], None] | None = None,
+                 ref: np.ndarray[Any, Any] | None = None,
+                 reading: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]] | None = None) -> None:
+        """``own[d]`` is the gid range of this server's area on device ``d``; ``on_retire(gids)``
         is told of every tombstone (the sync agent publishes it); ``ref``: the CLOCK reference
         bits, one byte per slot (in shared memory, where clients' lookups set them; private if None);
-        ``reading(gid)``: whether a client's direct read pins the slot (a retired slot is reused
-        only once it is neither pinned here nor there)."""
+        ``reading(gids)``: for each slot, whether a client's direct read pins it (a retired slot
+        is reused only once it is neither pinned here nor there)."""
         self.reading = reading
         self.slots = slots
         # field views, made once: ``slots["state"]`` builds a new view on every call (~1 us), and
@@ -180,7 +197,7 @@ class Allocator:
         self._gen[gid] = self.gens[device].next()
         self.quarantine[device].append((gid, self.clock() + self.grace_s))
         if self.on_retire is not None:
-            self.on_retire(gid)
+            self.on_retire(np.array([gid], dtype=np.int64))
 
     def _from_quarantine(self, device: int) -> int:
         q = self.quarantine[device]
@@ -190,7 +207,8 @@ class Allocator:
             if ready > now:
                 return -1  # FIFO with one grace: later entries are not ready either
             q.popleft()
-            if self.pins[gid] == 0 and (self.reading is None or not self.reading(gid)):
+            if self.pins[gid] == 0 and (self.reading is None
+                                        or not self.reading(np.array([gid], dtype=np.int64))[0]):
                 return gid
             q.append((gid, now))  # still pinned: look again later
         return -1
@@ -273,6 +291,109 @@ class Allocator:
         self._len[gid] = 0
         self.ref[gid] = 1
         return gid
+
+    def allocate_many(self, device: int, k: int, tenant: int = -1, quota: int | None = None) -> np.ndarray[Any, Any]:
+        """Up to ``k`` own slots on ``device`` ready to write, as ``k`` calls of ``allocate``
+        would give them (fewer when the area has no more to give), in one pass: a put's pages
+        are allocated per batch, not per page (the supervisor's per-page Python was the largest
+        share of a save's CPU). Without a grace period, the slots a full area needs are chosen
+        by one CLOCK sweep over numpy windows and retired together."""
+        r = self.own[device]
+        if k <= 0 or not len(r):
+            return np.zeros(0, dtype=np.int64)
+        if (quota is not None and self.used_by.get(tenant, 0) + k > quota) or (
+                self.grace_s > 0 and len(self.free[device]) < k):
+            # at the quota (a tenant's own pages are evicted) or evicting under a grace period
+            # (``_top_up``'s reserve): page by page, as ``allocate`` does
+            got = []
+            for _ in range(k):
+                g = self.allocate(device, tenant, quota)
+                if g < 0:
+                    break
+                got.append(g)
+            return np.array(got, dtype=np.int64)
+        parts = [self.free[device].pop_many(k)]
+        need = k - len(parts[0])
+        while need:  # slots a pin kept in quarantine, ready now
+            g = self._from_quarantine(device)
+            if g < 0:
+                break
+            parts.append(np.array([g], dtype=np.int64))
+            need -= 1
+        while need:
+            victims = self._clock_evict(device, need)
+            if not len(victims):
+                break
+            if self.reading is not None:
+                busy = self.reading(victims)
+                if busy.any():  # a client's direct read pins them: quarantined until it is done
+                    now = self.clock()
+                    self.quarantine[device].extend((int(g), now) for g in victims[busy])
+                    victims = victims[~busy]
+            parts.append(victims)
+            need -= len(victims)
+        gids = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if not len(gids):
+            return gids
+        self.owner[gids] = tenant
+        if tenant >= 0:
+            self.used_by[tenant] = self.used_by.get(tenant, 0) + len(gids)
+        self._gen[gids] = self.gens[device].next_many(len(gids))
+        self._state[gids] = WRITING
+        self._len[gids] = 0
+        self.ref[gids] = 1
+        return gids
+
+    def _clock_evict(self, device: int, k: int) -> np.ndarray[Any, Any]:
+        """Retire the next ``k`` slots CLOCK picks on ``device`` and return them: what ``k`` calls
+        of ``_retire_one`` do (VALID, neither pinned nor client-pinned, reference bit clear; a
+        set bit is cleared on the way), a window of slots at a time. As there, the search for
+        each slot gives up after two sweeps of the area from the last slot found, and the hand
+        ends where it would."""
+        r = self.own[device]
+        out: list[np.ndarray[Any, Any]] = []
+        found = 0
+        budget = 2 * len(r)  # steps left since the last slot found
+        while found < k and budget > 0:
+            h = self.hand[device]
+            w = min(max(256, 8 * (k - found)), r.stop - h, budget)
+            cand = (self._state[h:h + w] == VALID) & (self.pins[h:h + w] == 0) & (self.sticky[h:h + w] == 0)
+            refd = self.ref[h:h + w] != 0
+            vic = np.flatnonzero(cand & ~refd)
+            end = w
+            if len(vic) >= k - found:
+                vic = vic[:k - found]
+                end = int(vic[-1]) + 1
+            clear = np.flatnonzero(cand[:end] & refd[:end])
+            if len(clear):
+                self.ref[h + clear] = 0
+            self.hand[device] = h + end if h + end < r.stop else r.start
+            if len(vic):
+                got = (h + vic).astype(np.int64)
+                self._retire_many(got, device)  # now: a later sweep of this call must not pick them again
+                out.append(got)
+                found += len(vic)
+                budget = 2 * len(r) - (end - int(vic[-1]) - 1)
+            else:
+                budget -= end
+        self.evictions += found
+        return np.concatenate(out) if len(out) > 1 else out[0] if out else np.zeros(0, dtype=np.int64)
+
+    def _retire_many(self, gids: np.ndarray[Any, Any], device: int) -> None:
+        """``retire`` for VALID slots that no one pins (``_clock_evict``'s), together; with no
+        grace period they are reused at once, so they do not go to the quarantine."""
+        t = self.owner[gids]
+        known = t >= 0
+        if known.any():
+            for tenant, n in zip(*np.unique(t[known], return_counts=True)):
+                self.used_by[int(tenant)] = self.used_by.get(int(tenant), 0) - int(n)
+        self.owner[gids] = -1
+        # state first, then the generation (as ``retire``)
+        self._state[gids] = RETIRED
+        LIB.kv_fence()
+        self._gen[gids] = self.gens[device].next_many(len(gids))
+        if self.on_retire is not None:
+            self.on_retire(gids)
 
     def commit(self, gids: np.ndarray[Any, Any], words: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any]) -> None:
         """The writes of ``gids`` completed (``words``: one row of 4 per gid): record the keys and

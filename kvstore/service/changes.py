@@ -73,9 +73,9 @@ class ChangeFeed:
         """Own writes committed."""
         self.emit(STORED, gids)
 
-    def retired(self, gid: int) -> None:
-        """An own slot retired (``Allocator``'s ``on_retire``)."""
-        self.emit(RETIRED, [gid])
+    def retired(self, gids: Any) -> None:
+        """Own slots retired (``Allocator``'s ``on_retire``)."""
+        self.emit(RETIRED, gids)
 
     def merged(self, removed: list[bytes], gids: Any) -> None:
         """Peers' registers merged (``SyncLink``'s ``on_change``)."""

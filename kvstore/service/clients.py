@@ -361,14 +361,16 @@ class Clients:
             self.count(conn)
         return sum(1 for c in self.conns.values() if c.alive)
 
-    def reading(self, gid: int) -> bool:
-        """Whether a worker's direct read pins ``gid`` (the allocator asks before it reuses a
-        retired slot). The fence pairs with the worker's between pinning and reading the
-        register: the slot was retired before this call, so a worker that pinned it after our
-        look sees it retired and does not read it. The clients' own pin words are not asked:
-        a client could name anyone's slots there."""
+    def reading(self, gids: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """For each slot of ``gids``, whether a worker's direct read pins it (the allocator asks
+        before it reuses retired slots). The fence pairs with the worker's between pinning and
+        reading the register: the slots were retired before this call, so a worker that pinned
+        one after our look sees it retired and does not read it. The clients' own pin words are
+        not asked: a client could name anyone's slots there."""
         LIB.kv_fence()
-        return any(w.rings.pinned(gid) for w in self.workers)
+        pins = np.concatenate([w.rings.pins for w in self.workers]) if self.workers else np.zeros(0, np.int64)
+        pins = pins[pins >= 0]  # a copy, taken after the fence (most I/O slots pin nothing)
+        return np.isin(gids, pins) if len(pins) else np.zeros(len(gids), dtype=bool)
 
     def fail_direct_reads(self, device: int) -> None:
         """The worker of ``device`` is gone (no more DMA can land): fail the direct reads it had

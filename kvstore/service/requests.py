@@ -219,55 +219,116 @@ class Requests:
         self._maybe_finish(req)
 
     def _put(self, req: Request, words: np.ndarray[Any, Any]) -> None:
+        """Skip what is stored or being written, allocate slots for the rest (per device, a
+        batch at a time: ``Allocator.allocate_many``), and hand their writes over together."""
         res = req.results
         n = req.count
         wait = bool(req.flags & P.FLAG_WAIT)
+        page_size = self.st.cfg.page_size
+        lengths = req.lengths.astype(np.int64)
+        ok = (lengths > 0) & (lengths <= page_size)
         present = self.st.index.contains(words)
         self.st.stats.add("puts")
         self.st.stats.add("put_pages", n)
+        raw = words.tobytes()
         seen: set[bytes] = set()
-        ndev = len(self.workers)
-        quota = self.st.cfg.quota_for(req.conn.tenant)
-        for i in range(n):
-            key = words[i].tobytes()
-            buf = req.bufs[i]
-            length = int(req.lengths[i])
-            if present[i] or key in self.writing or key in seen or not 0 < length <= self.st.cfg.page_size:
-                res[i] = P.R_SKIPPED if 0 < length <= self.st.cfg.page_size else P.R_DROPPED
-                self.st.stats.add("put_skipped" if res[i] == P.R_SKIPPED else "put_dropped")
-                give_back(req.conn, buf, self.st.arena, A.FREE)
+        todo: list[int] = []
+        skipped = dropped = 0
+        for i, good, there in zip(range(n), ok.tolist(), present.tolist()):
+            key = raw[32 * i:32 * i + 32]
+            if there or not good or key in self.writing or key in seen:
+                res[i] = P.R_SKIPPED if good else P.R_DROPPED
+                if good:
+                    skipped += 1
+                else:
+                    dropped += 1
+                give_back(req.conn, req.bufs[i], self.st.arena, A.FREE)
                 continue
             seen.add(key)
-            gid = -1
-            dev = -1
-            for k in range(ndev):
-                d = (self.rr + k) % ndev
+            todo.append(i)
+        if skipped:
+            self.st.stats.add("put_skipped", skipped)
+        ndev = len(self.workers)
+        quota = self.st.cfg.quota_for(req.conn.tenant)
+        tenant = req.conn.tenant_id
+        # round-robin over devices, page by page: page j of ``todo`` goes to device rr + j
+        want: list[list[int]] = [[] for _ in range(ndev)]
+        for j, i in enumerate(todo):
+            want[(self.rr + j) % ndev].append(i)
+        self.rr = (self.rr + len(todo)) % ndev
+        left: list[int] = []  # pages their device had no slot for: tried on the others
+        for d in range(ndev):
+            if not want[d]:
+                continue
+            gids = (self.st.alloc.allocate_many(d, len(want[d]), tenant, quota)
+                    if self.workers[d].proc is not None else np.zeros(0, dtype=np.int64))
+            if len(gids):
+                self._dispatch_writes(req, want[d][:len(gids)], gids, d, words, lengths)
+            left.extend(want[d][len(gids):])
+        for i in sorted(left):
+            gid = dev = -1
+            for d in range(ndev):
                 if self.workers[d].proc is None:
                     continue  # its worker is being replaced
-                gid = self.st.alloc.allocate(d, req.conn.tenant_id, quota)
+                gid = self.st.alloc.allocate(d, tenant, quota)
                 if gid >= 0:
                     dev = d
                     break
-            self.rr = (self.rr + 1) % ndev
             if gid < 0:
                 res[i] = P.R_DROPPED
-                self.st.stats.add("put_dropped")
-                give_back(req.conn, buf, self.st.arena, A.FREE)
+                dropped += 1
+                give_back(req.conn, req.bufs[i], self.st.arena, A.FREE)
                 continue
-            self.writing[key] = gid
-            res[i] = P.R_QUEUED
-            if not self._dispatch(req, i, gid, buf, OP_WRITE, words[i], length,
-                                  None if req.csums is None else int(req.csums[i])):
-                self.writing.pop(key, None)
-                self.st.alloc.abandon(gid, dev)
-                res[i] = P.R_DROPPED
-                self.st.stats.add("put_dropped")
-                give_back(req.conn, buf, self.st.arena, A.FREE)
+            self._dispatch_writes(req, [i], np.array([gid], dtype=np.int64), dev, words, lengths)
+        if dropped:
+            self.st.stats.add("put_dropped", dropped)
         self._flush()
         self.st.stats.set("evictions", self.st.alloc.evictions)
         if not wait:
             self._respond(req)
         self._maybe_finish(req)
+
+    def _dispatch_writes(self, req: Request, idx: list[int], gids: np.ndarray[Any, Any], d: int,
+                         words: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any]) -> None:
+        """Hand the writes of pages ``idx`` of ``req`` into slots ``gids`` (allocated, on device
+        ``d``) to its worker: the ring records built for all of them at once, one ring write and
+        one wake-up."""
+        m = len(idx)
+        ix = np.asarray(idx, dtype=np.int64)
+        _dev, area, slot = self.st.smap.locate_many(gids)
+        sb = self.st.sbs[d]
+        offsets = np.array([a.offset for a in sb.areas], dtype=np.int64)[area] + slot * sb.slot_size
+        lens = lengths[ix]
+        w = words[ix]
+        tag0 = self.next_tag
+        self.next_tag += m
+        recs = np.zeros(m, dtype=IO_REQUEST)
+        recs["tag"] = np.arange(tag0, tag0 + m, dtype=np.uint64)
+        recs["op"] = OP_WRITE
+        recs["buf"] = [req.bufs[i] for i in idx]
+        recs["offset"] = offsets
+        recs["length"] = HEADER_BLOCK + (lens + 4095) // 4096 * 4096
+        recs["gen"] = self.st.slots["gen"][gids]
+        recs["d0"], recs["d1"], recs["d2"], recs["d3"] = w[:, 0], w[:, 1], w[:, 2], w[:, 3]
+        recs["area"] = area
+        recs["slot"] = slot
+        recs["payload_len"] = lens
+        if req.csums is not None:
+            recs["flags"] = F_CSUM
+            recs["csum"] = req.csums[ix]
+        recs["conn_gen"] = req.conn.generation & 0xFFFFFFFF
+        raw = w.tobytes()
+        now = time.monotonic()
+        for j, (i, gid, buf, length, gen) in enumerate(zip(idx, gids.tolist(), recs["buf"].tolist(),
+                                                           lens.tolist(), recs["gen"].tolist())):
+            self.writing[raw[32 * j:32 * j + 32]] = gid
+            req.results[i] = P.R_QUEUED
+            self.pending[tag0 + j] = Op(req, i, gid, d, buf, OP_WRITE, w[j], length, gen, now)
+        req.outstanding += m
+        req.conn.ops += m
+        wk = self.workers[d]
+        wk.rings.writes.put_many(recs)
+        wk.wake.post()
 
     def _maybe_finish(self, req: Request) -> None:
         if req.outstanding or req.responded:

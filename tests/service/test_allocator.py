@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.service.allocator import Allocator, Generations
 from kvstore.shm.slots import RETIRED, SLOT_DTYPE, VALID, WRITING
@@ -11,7 +15,7 @@ def make(n: int = 4, grace: float = 0.0, clock: list[float] | None = None) -> tu
     retired: list[int] = []
     t = clock if clock is not None else [0.0]
     a = Allocator(slots, [range(0, n)], [Generations(0, clock=lambda: 0)], grace, clock=lambda: t[0],
-                  on_retire=retired.append)
+                  on_retire=lambda gids: retired.extend(int(g) for g in gids))
     return a, retired
 
 
@@ -128,3 +132,94 @@ def test_grace_zero_reuses_at_once() -> None:
     fill(a)
     a.ref[:] = 0
     assert a.allocate(0) >= 0 and len(retired) == 1
+
+
+def _pair(n: int, grace: float, t: list[float]) -> tuple[list[Allocator], list[list[int]], list[set[int]]]:
+    """Two allocators over equal, separate slot tables (one allocates in batches, one page by page)."""
+    out, retired, reading = [], [], []
+    for _ in range(2):
+        r: list[int] = []
+        busy: set[int] = set()
+        a = Allocator(np.zeros(n, SLOT_DTYPE), [range(0, n)], [Generations(0, clock=lambda: 0)], grace,
+                      clock=lambda: t[0], on_retire=lambda gids, r=r: r.extend(int(g) for g in gids),
+                      reading=lambda gids, busy=busy: np.array([int(g) in busy for g in gids], dtype=bool))
+        out.append(a)
+        retired.append(r)
+        reading.append(busy)
+    return out, retired, reading
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 40), grace=st.sampled_from([0.0, 1.0]), ops=st.lists(st.tuples(
+    st.sampled_from(["alloc", "commit", "pin", "unpin", "ref", "read", "unread", "sticky", "tick", "abandon"]),
+    st.integers(0, 39), st.integers(1, 12), st.sampled_from([-1, 0, 1]), st.sampled_from([None, 3, 8, 100])),
+    max_size=80))
+def test_allocate_many_is_allocate_k_times(n: int, grace: float, ops: list[tuple[str, int, int, int, Any]]) -> None:
+    """``allocate_many(k)`` hands out the slots ``k`` calls of ``allocate`` would, in the same
+    order, retires the same slots, leaves the same slot states, reference bits, pins, owners,
+    quarantine and counts; only the generations' values differ (both strictly increasing)."""
+    t = [0.0]
+    (bat, one), (rb, ro), (busy_b, busy_o) = _pair(n, grace, t)
+    written: list[int] = []
+    last_gen = [0, 0]
+    for kind, x, k, tenant, quota in ops:
+        g = x % n
+        if kind == "alloc":
+            got_b = bat.allocate_many(0, k, tenant, quota).tolist()
+            got_o = []
+            for _ in range(k):
+                s = one.allocate(0, tenant, quota)
+                if s < 0:
+                    break
+                got_o.append(s)
+            assert got_b == got_o
+            for j, a in enumerate((bat, one)):
+                gens = [int(a.slots["gen"][s]) for s in got_b]
+                assert gens == sorted(set(gens)) and (not gens or gens[0] > last_gen[j])
+                last_gen[j] = max([last_gen[j]] + [int(v) for v in a.slots["gen"]])
+            if x % 4:  # most writes complete at once; the others stay in flight for a while
+                for s in got_b:
+                    for a in (bat, one):
+                        commit(a, s, 1000 + s, 10)
+            else:
+                written.extend(got_b)
+        elif kind == "commit" and written:
+            s = written.pop(x % len(written))
+            for a in (bat, one):
+                if a.slots["state"][s] == WRITING:
+                    commit(a, s, 1000 + s, 10)
+        elif kind == "abandon" and written:
+            s = written.pop(x % len(written))
+            for a in (bat, one):
+                if a.slots["state"][s] == WRITING:
+                    a.abandon(s, 0)
+        elif kind == "pin":
+            for a in (bat, one):
+                a.pin(g)
+        elif kind == "unpin":
+            for a in (bat, one):
+                if a.pins[g]:
+                    a.unpin(g)
+        elif kind == "ref":
+            for a in (bat, one):
+                a.ref[g] ^= 1
+        elif kind == "read":
+            busy_b.add(g)
+            busy_o.add(g)
+        elif kind == "unread":
+            busy_b.discard(g)
+            busy_o.discard(g)
+        elif kind == "sticky":
+            for a in (bat, one):
+                if a.slots["state"][g] == VALID:
+                    a.pin_client(g, max(tenant, 0), 100)
+        else:
+            t[0] += 0.6
+        for f in ("state", "length", "d0"):
+            assert np.array_equal(bat.slots[f], one.slots[f]), f
+        assert np.array_equal(bat.ref, one.ref) and np.array_equal(bat.pins, one.pins)
+        assert np.array_equal(bat.owner, one.owner) and np.array_equal(bat.sticky, one.sticky)
+        assert rb == ro and bat.evictions == one.evictions and bat.hand == one.hand
+        assert {k: v for k, v in bat.used_by.items() if v} == {k: v for k, v in one.used_by.items() if v}
+        assert [sorted(g for g, _ in q) for q in bat.quarantine] == [sorted(g for g, _ in q) for q in one.quarantine]
+        assert len(bat.free[0]) == len(one.free[0])
