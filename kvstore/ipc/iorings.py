@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._native.lib import FFI, const
+from .._native.lib import FFI, LIB, const
 from ..shm.ring import Ring
 
 # declared once, in kvstore/_native/kvstore.h
@@ -106,6 +106,10 @@ class WorkerRings:
         """By I/O slot: the slot (global id) a direct read in flight pins, -1 none (the worker writes)."""
         self._pins = FFI.cast("int64_t *", FFI.from_buffer(buf) + o)
         self._keep = buf
+
+    def pinned(self, gid: int) -> bool:
+        """Whether a direct read of this worker pins slot ``gid`` (the caller fences first)."""
+        return bool(LIB.kv_contains_i64(self._pins, WPINS, gid))
 
     @staticmethod
     def nbytes(max_clients: int = 0) -> int:

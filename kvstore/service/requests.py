@@ -35,6 +35,7 @@ from ..shm.ring import RingCorrupt
 from ..shm.slots import RETIRED, VALID
 from ..storage.header import HEADER_BLOCK
 from ..ipc import connection as P
+from .allocator import BATCH_MIN
 from .clients import Clients
 from .connections import Conn, Request, answer, give_back, take
 from .state import StoreState
@@ -292,8 +293,16 @@ class Requests:
                          words: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any]) -> None:
         """Hand the writes of pages ``idx`` of ``req`` into slots ``gids`` (allocated, on device
         ``d``) to its worker: the ring records built for all of them at once, one ring write and
-        one wake-up."""
+        one wake-up (a few pages go one by one through ``_dispatch``: numpy's per-call cost
+        is more than a few records' worth)."""
         m = len(idx)
+        if m < BATCH_MIN:
+            for i, gid in zip(idx, gids.tolist()):
+                self.writing[words[i].tobytes()] = gid
+                req.results[i] = P.R_QUEUED
+                self._dispatch(req, i, gid, req.bufs[i], OP_WRITE, words[i], int(lengths[i]),
+                               None if req.csums is None else int(req.csums[i]))
+            return
         ix = np.asarray(idx, dtype=np.int64)
         _dev, area, slot = self.st.smap.locate_many(gids)
         sb = self.st.sbs[d]
@@ -408,7 +417,7 @@ class Requests:
             self.st.changes.stored(self._ins_gids)
             self.st.index.insert_many(words, gids)
             self.st.stats.add("pages_written", len(gids))
-            self.st.stats.add("bytes_written", int(lens.sum()))
+            self.st.stats.add("bytes_written", sum(self._ins_lens))
             self._ins_words = []
             self._ins_gids = []
             self._ins_lens = []

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.ipc.iorings import WorkerRings
+from kvstore.service import allocator
+from kvstore.service.clients import Clients
 from kvstore.service.allocator import Allocator, Generations
 from kvstore.shm.slots import RETIRED, SLOT_DTYPE, VALID, WRITING
 
@@ -149,15 +153,27 @@ def _pair(n: int, grace: float, t: list[float]) -> tuple[list[Allocator], list[l
     return out, retired, reading
 
 
-@settings(max_examples=150, deadline=None)
-@given(n=st.integers(1, 40), grace=st.sampled_from([0.0, 1.0]), ops=st.lists(st.tuples(
-    st.sampled_from(["alloc", "commit", "pin", "unpin", "ref", "read", "unread", "sticky", "tick", "abandon"]),
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 24), grace=st.sampled_from([0.0, 0.0, 1.0]), ops=st.lists(st.tuples(
+    st.sampled_from(["alloc"] * 4 + ["ref"] * 2 + ["commit", "pin", "unpin", "read", "unread", "sticky", "tick",
+                                                  "abandon"]),
     st.integers(0, 39), st.integers(1, 12), st.sampled_from([-1, 0, 1]), st.sampled_from([None, 3, 8, 100])),
-    max_size=80))
-def test_allocate_many_is_allocate_k_times(n: int, grace: float, ops: list[tuple[str, int, int, int, Any]]) -> None:
+    max_size=80), batch_min=st.sampled_from([1, allocator.BATCH_MIN]))
+def test_allocate_many_is_allocate_k_times(n: int, grace: float, ops: list[tuple[str, int, int, int, Any]],
+                                           batch_min: int) -> None:
     """``allocate_many(k)`` hands out the slots ``k`` calls of ``allocate`` would, in the same
     order, retires the same slots, leaves the same slot states, reference bits, pins, owners,
-    quarantine and counts; only the generations' values differ (both strictly increasing)."""
+    quarantine and counts; only the generations' values differ (both strictly increasing).
+    (``batch_min`` 1: the batch path for every ``k``, not only the sizes it is used for.)"""
+    saved = allocator.BATCH_MIN
+    allocator.BATCH_MIN = batch_min
+    try:
+        _allocate_many_is_allocate_k_times(n, grace, ops)
+    finally:
+        allocator.BATCH_MIN = saved
+
+
+def _allocate_many_is_allocate_k_times(n: int, grace: float, ops: list[tuple[str, int, int, int, Any]]) -> None:
     t = [0.0]
     (bat, one), (rb, ro), (busy_b, busy_o) = _pair(n, grace, t)
     written: list[int] = []
@@ -223,3 +239,19 @@ def test_allocate_many_is_allocate_k_times(n: int, grace: float, ops: list[tuple
         assert {k: v for k, v in bat.used_by.items() if v} == {k: v for k, v in one.used_by.items() if v}
         assert [sorted(g for g, _ in q) for q in bat.quarantine] == [sorted(g for g, _ in q) for q in one.quarantine]
         assert len(bat.free[0]) == len(one.free[0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(pins=st.lists(st.lists(st.integers(-1, 50), max_size=8), min_size=1, max_size=3),
+       gids=st.lists(st.integers(0, 50), max_size=12))
+def test_reading_finds_exactly_the_slots_a_workers_direct_read_pins(pins: list[list[int]], gids: list[int]) -> None:
+    """``Clients.reading`` (what the allocator asks before reusing retired slots), on real worker
+    control segments: both its paths (a few slots, and numpy's for more) answer as a plain search."""
+    workers = []
+    for p in pins:
+        rings = WorkerRings(bytearray(WorkerRings.nbytes()))
+        rings.pins[:] = -1
+        rings.pins[:len(p)] = p
+        workers.append(SimpleNamespace(rings=rings))
+    got = Clients.reading(SimpleNamespace(workers=workers), np.array(gids, dtype=np.int64))  # type: ignore[arg-type]
+    assert got.tolist() == [any(g in p for p in pins) for g in gids]
