@@ -143,15 +143,21 @@ def test_kill_worker_during_load(file_devices, home: Path, services) -> None:  #
                 result["calls"] += 1
                 result["max_call"] = max(result["max_call"], time.monotonic() - t0)
 
+    def progressed(calls: int, hits: int) -> bool:
+        return result["calls"] >= calls and result["hits"] >= hits
+
     t = threading.Thread(target=load)
     t.start()
     try:
-        time.sleep(1.0)
+        # each kill lands once the load has made progress since the last (not after a guessed
+        # time: on a busy machine a second may hold a handful of calls)
+        assert wait_for(lambda: progressed(8, 40), timeout=60), f"no progress before the kills: {result}"
         for i in range(3):
             pids = svc.worker_pids()
             assert all(p in svc.children() for p in pids)
             os.kill(pids[i % 2], signal.SIGKILL)
-            time.sleep(1.0)
+            c0, h0 = result["calls"], result["hits"]
+            assert wait_for(lambda: progressed(c0 + 8, h0 + 40), timeout=60), f"no progress after a kill: {result}"
     finally:
         stop.set()
         t.join(60)
