@@ -242,8 +242,12 @@ class Allocator:
         slot per call: it becomes usable after the grace, and retiring more now would only empty
         the cache (each retired page is a miss everywhere) without giving this write a slot."""
         n = len(self.own[device])
-        for _ in range(max(1, n)):
+        for k in range(max(1, n)):
             if not self._retire_one(device, tenant):
+                if tenant is not None and k == 0:
+                    # a tenant at its quota with nothing of its own to evict: a slot from the
+                    # quarantine would take it over its quota
+                    return -1
                 return self._from_quarantine(device)
             got = self._from_quarantine(device)
             if got >= 0 or self.grace_s > 0:

@@ -371,7 +371,11 @@ class Clients:
         if len(gids) < 4:  # a compiled search per slot and worker costs less than numpy's calls
             return np.array([any(w.rings.pinned(g) for w in self.workers) for g in gids.tolist()], dtype=bool)
         pins = np.concatenate([w.rings.pins for w in self.workers]) if self.workers else np.zeros(0, np.int64)
-        pins = pins[pins >= 0]  # a copy, taken after the fence (most I/O slots pin nothing)
+        # a copy, taken after the fence (most I/O slots pin nothing); a pin the worker is writing
+        # or clearing meanwhile may read torn, which answers "not pinned": as for a pin made
+        # just after our look (the worker then sees the slot retired and does not read it) or
+        # one being cleared (its read is done)
+        pins = pins[pins >= 0]
         return np.isin(gids, pins) if len(pins) else np.zeros(len(gids), dtype=bool)
 
     def fail_direct_reads(self, device: int) -> None:

@@ -257,7 +257,7 @@ class Requests:
         for j, i in enumerate(todo):
             want[(self.rr + j) % ndev].append(i)
         self.rr = (self.rr + len(todo)) % ndev
-        left: list[int] = []  # pages their device had no slot for: tried on the others
+        left: list[tuple[int, int]] = []  # (page, its device) where that device had no slot
         for d in range(ndev):
             if not want[d]:
                 continue
@@ -265,10 +265,11 @@ class Requests:
                     if self.workers[d].proc is not None else np.zeros(0, dtype=np.int64))
             if len(gids):
                 self._dispatch_writes(req, want[d][:len(gids)], gids, d, words, lengths)
-            left.extend(want[d][len(gids):])
-        for i in sorted(left):
+            left.extend((i, d) for i in want[d][len(gids):])
+        for i, d0 in sorted(left):
             gid = dev = -1
-            for d in range(ndev):
+            for k in range(1, ndev + 1):  # the next devices in round-robin order, its own last
+                d = (d0 + k) % ndev
                 if self.workers[d].proc is None:
                     continue  # its worker is being replaced
                 gid = self.st.alloc.allocate(d, tenant, quota)

@@ -255,3 +255,19 @@ def test_reading_finds_exactly_the_slots_a_workers_direct_read_pins(pins: list[l
         workers.append(SimpleNamespace(rings=rings))
     got = Clients.reading(SimpleNamespace(workers=workers), np.array(gids, dtype=np.int64))  # type: ignore[arg-type]
     assert got.tolist() == [any(g in p for p in pins) for g in gids]
+
+
+def test_a_tenant_at_its_quota_with_nothing_of_its_own_to_evict_gets_no_slot() -> None:
+    """Regression (found in review): at its quota, with all its pages still being written, a
+    tenant's write took a slot ready in the quarantine and went over its quota."""
+    a = Allocator(np.zeros(10, SLOT_DTYPE), [range(0, 10)], [Generations(0, clock=lambda: 0)], 0.0,
+                  clock=lambda: 0.0)
+    assert all(a.allocate(0, 0, 3) >= 0 for _ in range(3))  # tenant 0 at quota 3, writes in flight
+    g = a.allocate(0, 1, None)
+    commit(a, g, 7, 10)
+    a.pin(g)
+    a.retire(g, 0)  # retired while a read pins it: quarantined
+    a.unpin(g)
+    assert a.allocate(0, 0, 3) == -1 and a.used_by[0] == 3
+    assert len(a.allocate_many(0, 8, 0, 3)) == 0 and a.used_by[0] == 3
+    assert a.allocate(0, 1, None) >= 0  # anyone else still gets a slot

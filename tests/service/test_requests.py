@@ -162,3 +162,44 @@ def test_forgetting_a_denied_area_announces_its_pages(home: Path, file_devices: 
         assert svc.st.slots["state"][g] != VALID
     finally:
         svc.close()
+
+
+def test_a_batch_put_hands_each_page_to_its_own_slot_under_its_own_key(svc: Service) -> None:
+    """Above ``BATCH_MIN`` pages the write records are built together (numpy): each names its
+    page's buffer, key, length and its slot's offset and generation, and every page is found."""
+    c = Client(svc)
+    keys = [b"batch%d" % i for i in range(12)]
+    bufs = c.buffers(len(keys))
+    c.post(0, P.OP_PUT, keys, bufs, [bytes([i + 1]) * PAGE for i in range(len(keys))])
+    svc.turn()
+    recs = svc.worker_takes(OP_WRITE)
+    words = digests(svc, keys)
+    assert recs["buf"].tolist() == bufs and len(set(recs["tag"].tolist())) == len(keys)
+    for r, w in zip(recs, words):
+        assert [int(r[f]) for f in ("d0", "d1", "d2", "d3")] == [int(x) for x in w]
+        assert int(r["payload_len"]) == PAGE
+        gid = SlotMap.gid(svc.st.smap, 0, int(r["area"]), int(r["slot"]))
+        assert int(r["gen"]) == int(svc.st.slots["gen"][gid])
+        assert int(r["offset"]) == svc.st.sbs[0].areas[int(r["area"])].offset + int(r["slot"]) * svc.st.sbs[0].slot_size
+    svc.worker_completes(recs)
+    svc.turn()
+    assert c.answer(0) == (P.S_OK, 0, [P.R_STORED] * len(keys))
+    gids = svc.st.index.lookup(words, svc.st.local)
+    assert (gids >= 0).all() and len(set(gids.tolist())) == len(keys)
+    c.close()
+
+
+def test_pages_for_a_device_being_replaced_go_to_the_next_devices_in_turn(home: Path, file_devices: Any) -> None:
+    s = Service(home, file_devices.make(3, 8 << 20))
+    try:
+        s.pool.slots[1].proc = None  # device 1's worker is being replaced
+        c = Client(s)
+        keys = [b"rr%d" % i for i in range(9)]
+        c.post(0, P.OP_PUT, keys, c.buffers(len(keys)), [bytes([i + 1]) * PAGE for i in range(len(keys))])
+        s.turn()
+        per_dev = [len(w.rings.writes.get_batch(1024)) for w in s.pool.slots]
+        # round-robin from device 0: three pages each; device 1's three go on to device 2 first
+        assert per_dev == [3, 0, 6]
+        c.close()
+    finally:
+        s.close()
