@@ -47,7 +47,18 @@ HITS = [1152, 768]
 def test_mamba_hybrid_state_is_saved_at_page_ends_and_a_new_server_resumes_from_it(tmp_path: Path) -> None:
     c = Cluster(tmp_path, page=PAGE, model=make_tiny_hybrid)
     try:
-        base = c.run([P, Q, P, Q, S], *ARGS, name="baseline")  # cold, vLLM's own prefix-cache hits, S cold
+        try:
+            base = c.run([P, Q, P, Q, S], *ARGS, name="baseline")  # cold, vLLM's own prefix-cache hits, S cold
+        except AssertionError as e:
+            # the baseline is vLLM alone (no connector, no kvstore code in the process). On a 2-core
+            # AMD EPYC without AVX-512 (2026-12-08) vLLM 0.32's CPU build failed it every time in
+            # its own mamba kernel; it passes where it ran before (AVX-512). Nothing to compare
+            # kvstore with then: say so, never pass
+            if "IndexError" in str(e) and "mamba_mixer2" in str(e):
+                pytest.skip("vLLM itself fails this model without the connector on this machine "
+                            "(IndexError in vllm/model_executor/layers/mamba/mamba_mixer2.py); "
+                            "kvstore's part was not run")
+            raise
         assert [r["cached_tokens"] for r in base[2:4]] == HITS
         saved = c.run([P, Q], *ARGS, "--store", "v", "--server", "a", name="a", processes=True)
         assert c.records["a"]["hybrid_manager"] is True
